@@ -1,0 +1,42 @@
+"""Scheduler settings: one frozen dataclass, validated at construction (STYLE.md habit 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_service.core.errors import InvalidParameterError
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How one scheduler forms batches.
+
+    Invariant (enforced in ``__post_init__``): every field is in range; a bad value raises
+    :class:`InvalidParameterError` naming the field.
+    """
+
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 128  # running requests at most
+    long_prefill_token_threshold: int = 0  # a prefill chunk has at most this many tokens; 0 = off
+    enable_chunked_prefill: bool = True  # False: a prompt is scheduled whole or waits
+    enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes
+    policy: str = "fcfs"  # "fcfs" (arrival order) or "priority" (lower value first, then arrival)
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"must be a bool, got {getattr(self, name)!r}")
+        if self.policy not in POLICIES:
+            raise InvalidParameterError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")

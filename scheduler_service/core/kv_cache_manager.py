@@ -1,0 +1,155 @@
+"""Per-request block tables on top of one BlockPool: allocation, prefix-cache hits, freeing (seed §1.5, §1.9)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler_service.core.block_pool import BlockPool
+from scheduler_service.core.kv_cache_utils import KVCacheBlock
+from scheduler_service.core.request import Request
+
+
+class KVCacheManager:
+    """Maps each request to its blocks (its block table) in one worker's pool.
+
+    Invariants:
+    - A request's block table is append-only from its first allocation until ``free`` (the worker
+      relies on it: a step only sends the new block ids).
+    - A request holds exactly ``cdiv(tokens scheduled so far, block_size)`` blocks.
+    - Only full blocks whose KV has been computed enter the prefix cache (``cache_blocks``), so a hit
+      never points at KV that a worker has not written yet, whatever order it runs a batch in.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size  # tokens per block
+        self.enable_caching = enable_caching  # prefix caching on/off
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> its block table
+        self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already in the cache
+        self.prefix_cache_queries = 0  # prompt(+output) tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    # -- queries --------------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return self.block_pool.usage
+
+    @property
+    def num_total_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self.block_pool.num_usable_blocks
+
+    def get_num_free_blocks(self) -> int:
+        """Free blocks, evictable cached ones included."""
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / looked-up tokens since start (0.0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's block table (the live list: do not mutate); empty if it holds none."""
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (a new list)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- allocation -----------------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of ``request`` as (blocks, num tokens). Changes nothing.
+
+        The hit never covers the request's last token (at most ``num_tokens - 1`` tokens): that token
+        must be computed to produce the logits of the next one.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.block_hashes
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        cached = self.block_pool.cached_blocks
+        blocks: list[KVCacheBlock] = []
+        for i in range(max_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens +
+        num_new_computed_tokens`` and return the newly allocated blocks ([] when none were needed).
+
+        ``new_computed_blocks`` (from ``get_computed_blocks``, only at admission) are claimed as the
+        start of the table. Returns None, changing nothing, when the pool cannot supply the blocks;
+        free cached blocks count as free, except those this very call claims as a hit.
+        """
+        rid = request.request_id
+        bs = self.block_size
+        req_blocks = self.req_to_blocks.get(rid)
+        num_required = -(-(request.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // bs)
+        if req_blocks is not None and not new_computed_blocks:
+            # Hot path: a running request; usually the last block still has room.
+            num_new_blocks = num_required - len(req_blocks)
+            if num_new_blocks <= 0:
+                return []
+            pool = self.block_pool
+            if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+            return new_blocks
+
+        assert not (req_blocks and new_computed_blocks), "prefix hits are only claimed at admission"
+        assert len(new_computed_blocks) * bs == num_new_computed_tokens or not self.enable_caching
+        num_held = len(req_blocks) if req_blocks else 0
+        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        pool = self.block_pool
+        if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+            self.num_cached_blocks[rid] = len(new_computed_blocks)
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_new_computed_tokens
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's full blocks within its first ``num_computed_tokens`` tokens in the
+        prefix cache. Call it once their KV is computed (after the step that computed them)."""
+        rid = request.request_id
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_cached = self.num_cached_blocks.get(rid)
+        if num_cached is None or num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], request.block_hashes, num_cached, num_full)
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (its tail is evicted before its shared prefix).
+        Idempotent: a request holding no blocks is a no-op."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash; only possible (True) when no request holds blocks."""
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,397 @@
+"""The continuous-batching scheduler of one worker (seed §2.4, §2.6, §2.7, §2.9).
+
+One engine step is ``schedule()`` → the worker runs the ``SchedulerOutput`` → ``update_from_output()``.
+The scheduler owns request state and the worker's block pool; it reads no clock and draws no
+randomness except from the ``seed_rng`` it was handed (DESIGN.md decision 1).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.errors import InvalidParameterError
+from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    WorkerInfo,
+)
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.request_queue import create_request_queue
+from scheduler_service.core.sampling_params import SEED_RANGE
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for health/metrics endpoints."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests in the waiting queue (preempted ones included)
+    kv_cache_usage: float  # fraction of usable blocks held by requests, in [0, 1]
+    num_free_blocks: int  # free blocks, evictable cached ones included
+    num_total_blocks: int  # usable blocks (null block excluded)
+    prefix_cache_hit_rate: float  # hit tokens / looked-up tokens since start
+    prefix_cache_queries: int  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens served from the cache
+    num_preemptions: int  # preemptions since start
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Invariants:
+    - Every live request is in exactly one of ``waiting`` (WAITING / PREEMPTED) and ``running``
+      (RUNNING); finished requests are dropped from both and from ``requests`` at once.
+    - A step schedules at most ``max_num_batched_tokens`` tokens; at most ``max_num_seqs`` requests
+      run; a running request holds blocks for every token it has scheduled.
+    - Output tokens are only appended, and each carries its index: nothing delivered is recomputed
+      as a new token (a preempted request resumes from prompt + its outputs).
+    """
+
+    def __init__(self, config: SchedulerConfig, worker: WorkerInfo, *,
+                 seed_rng: random.Random | None = None) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < worker.max_model_len:
+            # Without chunking a resumed request (prompt + outputs, up to max_model_len tokens) must
+            # fit in one step, or it would wait forever.
+            raise InvalidParameterError(
+                "max_num_batched_tokens",
+                f"must be >= max_model_len ({worker.max_model_len}) when chunked prefill is off, "
+                f"got {config.max_num_batched_tokens}")
+        self.config = config  # batching settings
+        self.worker = worker  # the worker this scheduler drives (block counts, limits, EOS)
+        self.block_size = worker.block_size  # tokens per KV block
+        self.max_model_len = worker.max_model_len  # prompt + outputs at most
+        self.kv_cache_manager = KVCacheManager(worker.num_blocks, worker.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        self.waiting = create_request_queue(config.policy)  # WAITING and PREEMPTED requests
+        self.running: list[Request] = []  # RUNNING requests, in admission order
+        self.finished_req_ids: set[str] = set()  # finished/aborted since the last schedule()
+        self.num_preemptions = 0  # preemptions since start
+        self._seed_rng = seed_rng if seed_rng is not None else random.Random(0)  # seeds for unseeded requests
+        self._eos_token_ids = frozenset(worker.eos_token_ids)
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Validate ``request`` against the worker's limits and queue it (WAITING).
+
+        Raises InvalidParameterError naming ``request_id`` (a live request has that id), ``prompt``
+        (empty, token ids outside the vocabulary, or too long) or ``max_tokens`` (prompt + max_tokens
+        past max_model_len or past the KV-cache size, or no output left to generate). On success the
+        request has a seed (drawn from ``seed_rng`` if it had none) and its block hashes.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise InvalidParameterError("request_id", f"a request with id {rid!r} is already running")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"{rid}: only fresh requests can be added, got {request!r}")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidParameterError("prompt", "must contain at least one token")
+        try:
+            lo, hi = min(request.all_token_ids), max(request.all_token_ids)
+        except TypeError:
+            raise InvalidParameterError("prompt", "token ids must be integers") from None
+        if lo < 0 or hi >= self.worker.vocab_size:
+            raise InvalidParameterError("prompt", f"token ids must be in [0, {self.worker.vocab_size}), "
+                                                  f"got one in [{lo}, {hi}]")
+        max_len = self.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise InvalidParameterError("prompt", f"{request.num_prompt_tokens} tokens; the model takes "
+                                                  f"at most {max_len - 1} prompt tokens")
+        max_total = request.num_prompt_tokens + request.max_tokens
+        if max_total > max_len:
+            raise InvalidParameterError("max_tokens", f"prompt ({request.num_prompt_tokens}) + max_tokens "
+                                                      f"({request.max_tokens}) exceeds max_model_len ({max_len})")
+        kv = self.kv_cache_manager
+        if kv.get_num_blocks_needed(max_total) > kv.num_total_blocks:
+            raise InvalidParameterError("max_tokens", f"prompt + max_tokens ({max_total} tokens) needs more "
+                                                      f"KV blocks than the worker has ({kv.num_total_blocks})")
+        if request.num_output_tokens >= request.max_tokens:
+            raise InvalidParameterError("max_tokens", f"the request already has {request.num_output_tokens} "
+                                                      f"outputs (max_tokens {request.max_tokens})")
+        params = request.sampling_params
+        if params.seed is None:
+            request.sampling_params = params = params.with_seed(self._seed_rng.randrange(SEED_RANGE))
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self._eos_token_ids
+        request.stop_token_set = frozenset(stop)
+        if self.config.enable_prefix_caching:
+            request.enable_block_hashing(self.block_size)
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: first the running requests (preempting when blocks run out), then, if
+        nothing was preempted, waiting ones in queue order while budget, seats and blocks last.
+
+        The plan is a diff (see ``outputs``): new and resumed requests in full, running ones as new
+        block ids. Each scheduled request gets ``num_tokens - num_computed_tokens`` tokens, cut by
+        ``long_prefill_token_threshold`` and by what is left of the budget.
+        """
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        num_scheduled: dict[str, int] = {}
+        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequestData] = []
+        preempted: list[Request] = []
+
+        # Phase 1: the running batch.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = len(request.all_token_ids) - request.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                n = budget
+            new_blocks = kv.allocate_slots(request, n)
+            while new_blocks is None:
+                victim, victim_index = self._pick_victim()
+                rid = victim.request_id
+                if rid in num_scheduled:  # priority policy: undo its place in this step
+                    budget += num_scheduled.pop(rid)
+                    cached_reqs = [c for c in cached_reqs if c.request_id != rid]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim_index < i:
+                    i -= 1
+                new_blocks = kv.allocate_slots(request, n)
+            if new_blocks is None:
+                continue  # ``request`` itself was preempted; running[i] is now the next one
+            num_scheduled[request.request_id] = n
+            budget -= n
+            cached_reqs.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks] if new_blocks else [],
+                request.num_computed_tokens))
+            i += 1
+
+        # Phase 2: admit waiting requests (not in a step that had to preempt: memory is short).
+        waiting = self.waiting
+        while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            request = waiting.peek()
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            n = request.num_tokens - num_computed
+            if 0 < threshold < n:
+                n = threshold
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break  # the whole prompt must fit: it waits for a step with room
+                n = budget
+            if kv.allocate_slots(request, n, computed_blocks, num_computed) is None:
+                break  # head-of-line: later requests do not overtake it
+            waiting.pop()
+            running.append(request)
+            request.status = _RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            rid = request.request_id
+            num_scheduled[rid] = n
+            budget -= n
+            new_reqs.append(NewRequestData(
+                rid, list(request.prompt_token_ids), list(request.output_token_ids),
+                request.sampling_params, kv.get_block_ids(rid), num_computed))
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply one step's results: advance ``num_computed_tokens`` by the scheduled counts, cache the
+        blocks that became full, append sampled tokens, stop and free finished requests.
+
+        Returns one output per request that got tokens or finished. Requests aborted since
+        ``schedule()`` are skipped (their tokens dropped). Tokens for a request that did not reach
+        the end of its known tokens are ignored; a request that should have sampled but got no
+        token recomputes its last token next step (sampling is a pure function of seed and
+        position, so the retry samples the same token).
+        """
+        sampled = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        requests = self.requests
+        kv = self.kv_cache_manager
+        caching = self.config.enable_prefix_caching
+        bs = self.block_size
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None or request.status is not _RUNNING:
+                continue  # aborted (or replaced) since schedule()
+            before = request.num_computed_tokens
+            computed = before + n
+            num_tokens = len(request.all_token_ids)
+            if computed >= num_tokens:
+                tokens = sampled.get(rid)
+                if not tokens:
+                    computed = num_tokens - 1  # the worker owes us a sample: redo the last token
+            else:
+                tokens = None  # a partial prefill chunk samples nothing
+            request.num_computed_tokens = computed
+            if caching and computed // bs > before // bs:
+                kv.cache_blocks(request, computed)
+            if not tokens:
+                continue
+
+            first_index = len(request.output_token_ids)
+            new_tokens: list[int] = []
+            status = None
+            for token in tokens:
+                request.append_output_token(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break  # tokens after a stop are dropped
+            new_logprobs = logprobs.get(rid) if logprobs else None
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[:len(new_tokens)]
+            if status is None:
+                outputs.append(EngineCoreOutput(rid, new_tokens, first_index, None, new_logprobs,
+                                                request.num_cached_tokens))
+            else:
+                outputs.append(EngineCoreOutput(rid, new_tokens, first_index, status.finish_reason(),
+                                                new_logprobs, request.num_cached_tokens))
+                self._finish(request, status)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
+        """The finished status after ``token`` was appended, or None: LENGTH at max_tokens (admission
+        made prompt + max_tokens <= max_model_len, so this also stops at the model's length), STOP on
+        EOS (unless ignore_eos) or a stop token id once min_tokens outputs exist."""
+        num_out = len(request.output_token_ids)
+        if num_out >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if token in request.stop_token_set and num_out >= request.sampling_params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    # -- aborts, preemption, bookkeeping --------------------------------------------------------------
+
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish the given live requests with ABORT, waiting or running, and free their blocks now.
+        Unknown or already-finished ids are ignored. Returns one output per aborted request."""
+        outputs: list[EngineCoreOutput] = []
+        from_waiting: list[Request] = []
+        from_running = False
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status is _RUNNING:
+                from_running = True
+            else:
+                from_waiting.append(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(rid, [], request.num_output_tokens, FinishReason.ABORT, None,
+                                            max(request.num_cached_tokens, 0)))
+        if from_waiting:
+            self.waiting.remove_many(from_waiting)
+        if from_running:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and free its blocks; the caller removes it from its queue/list."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def _pick_victim(self) -> tuple[Request, int]:
+        """Remove and return the running request to preempt, with the index it had: FCFS the last
+        admitted; priority the one with the largest (priority, arrival_time), the latest on ties."""
+        running = self.running
+        if self.config.policy == "fcfs":
+            return running.pop(), len(running)
+        index = max(range(len(running) - 1, -1, -1), key=lambda k: (running[k].priority, running[k].arrival_time))
+        return running.pop(index), index
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-preemption: free its blocks, forget its progress, put it at the queue front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # -- queries --------------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running (finished ones are forgotten at once)."""
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue, preempted ones included."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (at most ``max_num_seqs``)."""
+        return len(self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with this id, or None (finished requests are forgotten)."""
+        return self.requests.get(request_id)
+
+    def count_prefix_hit_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` this worker's prefix cache holds right now (0 with caching off), for
+        placing a request on the worker with the best hit. Changes nothing, ``request`` included."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        probe = request
+        if request.hashing_block_size != self.block_size:
+            probe = Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                            cache_salt=request.cache_salt, output_token_ids=request.output_token_ids,
+                            block_size=self.block_size)
+        return self.kv_cache_manager.get_computed_blocks(probe)[1]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; only possible (True) when no request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        """A consistent snapshot of queue lengths, KV-cache use and counters (O(1))."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.get_num_free_blocks(),
+            num_total_blocks=kv.num_total_blocks,
+            prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

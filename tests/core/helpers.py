@@ -1,0 +1,174 @@
+"""Factories and fakes for scheduler-core tests: build a scheduler, build requests, play the worker."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_service.core import (
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    WorkerInfo,
+)
+
+EOS = 2
+VOCAB_SIZE = 32_000
+_CONFIG_FIELDS = set(SchedulerConfig.__dataclass_fields__)
+_WORKER_FIELDS = set(WorkerInfo.__dataclass_fields__)
+
+
+def make_worker(**overrides) -> WorkerInfo:
+    """A small fake worker: 4-token blocks, 64 usable blocks, EOS = 2."""
+    values = dict(model="fake", num_blocks=65, block_size=4, max_model_len=256, vocab_size=VOCAB_SIZE,
+                  eos_token_ids=(EOS,))
+    values.update(overrides)
+    return WorkerInfo(**values)
+
+
+def make_scheduler(*, seed_rng: random.Random | None = None, **overrides) -> Scheduler:
+    """A scheduler over ``make_worker()``; keyword overrides go to SchedulerConfig or WorkerInfo by name."""
+    unknown = set(overrides) - _CONFIG_FIELDS - _WORKER_FIELDS
+    if unknown:
+        raise TypeError(f"unknown overrides {sorted(unknown)}")
+    config = SchedulerConfig(**{k: v for k, v in overrides.items() if k in _CONFIG_FIELDS})
+    worker = make_worker(**{k: v for k, v in overrides.items() if k in _WORKER_FIELDS})
+    return Scheduler(config, worker, seed_rng=seed_rng)
+
+
+_ids = iter(range(10**9))
+
+
+def make_prompt(n_tokens: int, seed: int | str = 0) -> list[int]:
+    """``n_tokens`` deterministic token ids in [10, VOCAB_SIZE) (never EOS), distinct per seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, VOCAB_SIZE) for _ in range(n_tokens)]
+
+
+def make_request(n_tokens: int = 8, *, request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                 max_tokens: int = 16, arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None, output_token_ids: tuple[int, ...] | list[int] = (),
+                 block_size: int | None = None, **sampling) -> Request:
+    """A request with an ``n_tokens`` prompt of its own (unless ``prompt_token_ids`` is given)."""
+    k = next(_ids)
+    rid = request_id if request_id is not None else f"req-{k}"
+    prompt = prompt_token_ids if prompt_token_ids is not None else make_prompt(n_tokens, rid)
+    params = SamplingParams(max_tokens=max_tokens, **sampling)
+    return Request(rid, prompt, params, arrival_time=float(k) if arrival_time is None else arrival_time,
+                   priority=priority, cache_salt=cache_salt, output_token_ids=output_token_ids,
+                   block_size=block_size)
+
+
+def sampling_ids(scheduler: Scheduler, out: SchedulerOutput) -> list[str]:
+    """Ids of the requests that sample in ``out`` (call before update_from_output)."""
+    ids = []
+    for rid, n in out.num_scheduled_tokens.items():
+        req = scheduler.requests[rid]
+        if req.num_computed_tokens + n == req.num_tokens:
+            ids.append(rid)
+    return ids
+
+
+def model_output(scheduler: Scheduler, out: SchedulerOutput,
+                 tokens: dict[str, int] | Callable[[str], int] | int = 100) -> ModelRunnerOutput:
+    """One sampled token per sampling request: from a dict (default 100), a function of the id, or a constant."""
+    sampled = {}
+    for rid in sampling_ids(scheduler, out):
+        if callable(tokens):
+            tok = tokens(rid)
+        elif isinstance(tokens, dict):
+            tok = tokens.get(rid, 100)
+        else:
+            tok = tokens
+        sampled[rid] = [tok]
+    return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def step(scheduler: Scheduler, tokens: dict[str, int] | Callable[[str], int] | int = 100):
+    """schedule() → hand-made model output → update_from_output(); returns (plan, outputs by id)."""
+    out = scheduler.schedule()
+    results = scheduler.update_from_output(out, model_output(scheduler, out, tokens))
+    return out, {o.request_id: o for o in results}
+
+
+@dataclass
+class _HeldRequest:
+    token_ids: list[int]  # prompt + outputs as the worker knows them
+    num_prompt_tokens: int
+    block_ids: list[int]  # block table, append-only
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeWorker:
+    """Plays a worker from the diffs alone and checks what a worker relies on (outputs.py invariants).
+
+    KV is simulated: each slot stores (position, token id) written when the token is computed, so a
+    prefix-cache hit or a block table pointing at the wrong block shows up as a mismatch.
+    ``token_fn(request_id, output_index)`` is the model: a pure function, as sampling is in pagedserve.
+    """
+
+    num_blocks: int
+    block_size: int
+    token_fn: Callable[[str, int], int]
+    check_every: int = 8  # verify a request's whole KV context every this many sampled tokens
+    held: dict[str, _HeldRequest] = field(default_factory=dict)
+    kv: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.kv = [None] * (self.num_blocks * self.block_size)
+
+    def _check_context(self, held: _HeldRequest, upto: int) -> None:
+        bs = self.block_size
+        for pos in range(upto):
+            slot = held.block_ids[pos // bs] * bs + pos % bs
+            assert self.kv[slot] == (pos, held.token_ids[pos]), f"KV mismatch at position {pos}"
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.held.pop(rid, None)
+        for rid in out.preempted_req_ids:
+            assert rid in self.held, f"preempted {rid} was not held"
+            del self.held[rid]
+        new_ids = {n.request_id for n in out.scheduled_new_reqs}
+        cached_ids = {c.request_id for c in out.scheduled_cached_reqs}
+        assert not new_ids & cached_ids
+        assert new_ids | cached_ids == set(out.num_scheduled_tokens)
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
+        assert not set(out.num_scheduled_tokens) & out.finished_req_ids
+        for new in out.scheduled_new_reqs:
+            assert new.request_id not in self.held, f"{new.request_id} sent as new twice"
+            assert new.sampling_params.seed is not None
+            held = _HeldRequest(list(new.prompt_token_ids) + list(new.output_token_ids),
+                                len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens)
+            assert new.num_computed_tokens % self.block_size == 0
+            self._check_context(held, new.num_computed_tokens)  # the prefix-cache hit holds our tokens
+            self.held[new.request_id] = held
+        for cached in out.scheduled_cached_reqs:
+            held = self.held[cached.request_id]
+            assert cached.num_computed_tokens == held.num_computed_tokens
+            held.block_ids.extend(cached.new_block_ids)
+        sampled: dict[str, list[int]] = {}
+        bs = self.block_size
+        # Write every scheduled token's KV first (per layer, as a real batch does), then sample.
+        for rid, n in out.num_scheduled_tokens.items():
+            held = self.held[rid]
+            assert n >= 1 and held.num_computed_tokens + n <= len(held.token_ids)
+            assert len(held.block_ids) * bs >= held.num_computed_tokens + n, "too few blocks"
+            for pos in range(held.num_computed_tokens, held.num_computed_tokens + n):
+                self.kv[held.block_ids[pos // bs] * bs + pos % bs] = (pos, held.token_ids[pos])
+            held.num_computed_tokens += n
+        for rid in out.num_scheduled_tokens:
+            held = self.held[rid]
+            if held.num_computed_tokens == len(held.token_ids):
+                index = len(held.token_ids) - held.num_prompt_tokens
+                if index % self.check_every == 0:
+                    self._check_context(held, held.num_computed_tokens)
+                token = self.token_fn(rid, index)
+                held.token_ids.append(token)
+                sampled[rid] = [token]
+        return ModelRunnerOutput(sampled_token_ids=sampled)

@@ -1,0 +1,57 @@
+"""SchedulerConfig and SamplingParams: each bad value is rejected naming its field."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_service.core import InvalidParameterError, SamplingParams, SchedulerConfig
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_num_batched_tokens", 0), ("max_num_batched_tokens", 1.5), ("max_num_seqs", 0),
+        ("max_num_seqs", True), ("long_prefill_token_threshold", -1), ("enable_chunked_prefill", 1),
+        ("enable_prefix_caching", "yes"), ("policy", "lifo"),
+    ],
+)
+def test_scheduler_config_names_the_bad_field(field, value):
+    with pytest.raises(InvalidParameterError) as e:
+        SchedulerConfig(**{field: value})
+    assert e.value.field == field
+
+
+def test_scheduler_config_defaults():
+    c = SchedulerConfig()
+    assert (c.max_num_batched_tokens, c.max_num_seqs, c.long_prefill_token_threshold) == (2048, 128, 0)
+    assert c.enable_chunked_prefill and c.enable_prefix_caching and c.policy == "fcfs"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0), ("max_tokens", "8"), ("min_tokens", -1), ("temperature", -0.1),
+        ("temperature", float("nan")), ("top_k", 0), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5),
+        ("min_p", 1.5), ("seed", -1), ("seed", 2**63), ("stop", [""]), ("stop", ["x"] * 17),
+        ("stop_token_ids", [-1]), ("ignore_eos", 1), ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("logprobs", 21), ("logprobs", -1),
+    ],
+)
+def test_sampling_params_names_the_bad_field(field, value):
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.field == field
+
+
+def test_min_tokens_above_max_tokens_names_min_tokens():
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(max_tokens=2, min_tokens=3)
+    assert e.value.field == "min_tokens"
+
+
+def test_sampling_params_are_frozen_and_normalised():
+    p = SamplingParams(stop=["a"], stop_token_ids=[3])
+    assert p.stop == ("a",) and p.stop_token_ids == (3,)
+    assert p.with_seed(5).seed == 5 and p.seed is None
+    with pytest.raises(AttributeError):
+        p.max_tokens = 3  # type: ignore[misc]

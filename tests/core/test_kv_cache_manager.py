@@ -1,0 +1,130 @@
+"""KVCacheManager: allocation, prefix hits, freeing order, stats."""
+
+from __future__ import annotations
+
+from scheduler_service.core import KVCacheManager
+
+from .helpers import make_request
+
+
+def make_manager(num_blocks=9, block_size=4, enable_caching=True):
+    return KVCacheManager(num_blocks, block_size, enable_caching)
+
+
+def compute(manager, request, num_tokens):
+    """Play one step: allocate, then (as update_from_output does) advance and cache."""
+    blocks, hit = manager.get_computed_blocks(request) if request.num_computed_tokens == 0 else ([], 0)
+    new = manager.allocate_slots(request, num_tokens, blocks, hit)
+    assert new is not None
+    request.num_computed_tokens = hit + request.num_computed_tokens + num_tokens
+    manager.cache_blocks(request, request.num_computed_tokens)
+    return hit
+
+
+def test_seed_prefix_sharing_example():
+    """Seed §1.6: A = [b0, b1, b2], B = [b0, b1, b3]; ref counts 2, 2, 1, 1; freeing A then B."""
+    m = make_manager()
+    shared = list(range(100, 108))
+    a = make_request(prompt_token_ids=shared + [1, 2, 3, 4], block_size=4)
+    b = make_request(prompt_token_ids=shared + [5, 6, 7, 8], block_size=4)
+    compute(m, a, 12)
+    assert compute(m, b, 4) == 8  # two blocks shared
+    blocks_a, blocks_b = m.get_blocks(a.request_id), m.get_blocks(b.request_id)
+    assert blocks_a[:2] == blocks_b[:2] and blocks_a[2] is not blocks_b[2]
+    b0, b1, b2, b3 = blocks_a + blocks_b[2:]
+    assert [x.ref_cnt for x in (b0, b1, b2, b3)] == [2, 2, 1, 1]
+
+    free_before = m.get_num_free_blocks()
+    m.free(a)
+    assert [x.ref_cnt for x in (b0, b1, b2, b3)] == [1, 1, 0, 1]
+    assert m.get_num_free_blocks() == free_before + 1
+    m.free(b)
+    assert [x.ref_cnt for x in (b0, b1, b2, b3)] == [0, 0, 0, 0]
+    tail = [x.block_id for x in m.block_pool.free_block_queue][-4:]
+    assert tail == [b2.block_id, b3.block_id, b1.block_id, b0.block_id]  # tails evicted first, prefix last
+    assert m.get_num_free_blocks() == 8
+    m.block_pool.check_invariants()
+
+
+def test_hit_never_covers_the_last_token():
+    m = make_manager()
+    prompt = list(range(100, 108))
+    compute(m, make_request(prompt_token_ids=prompt, block_size=4), 8)
+    same = make_request(prompt_token_ids=prompt, block_size=4)
+    blocks, hit = m.get_computed_blocks(same)
+    assert hit == 4 and len(blocks) == 1
+    one_more = make_request(prompt_token_ids=prompt + [1], block_size=4)
+    assert m.get_computed_blocks(one_more)[1] == 8
+
+
+def test_blocks_are_cached_only_once_computed():
+    m = make_manager()
+    prompt = list(range(100, 109))
+    a = make_request(prompt_token_ids=prompt, block_size=4)
+    assert m.allocate_slots(a, 9) is not None  # scheduled, not yet computed
+    assert m.get_computed_blocks(make_request(prompt_token_ids=prompt, block_size=4))[1] == 0
+    a.num_computed_tokens = 9
+    m.cache_blocks(a, 9)
+    assert m.get_computed_blocks(make_request(prompt_token_ids=prompt, block_size=4))[1] == 8
+
+
+def test_allocation_fails_without_changes_when_blocks_run_out():
+    m = make_manager(num_blocks=4)  # 3 usable
+    a = make_request(8, block_size=4)
+    compute(m, a, 8)
+    b = make_request(8, block_size=4)
+    assert m.allocate_slots(b, 8) is None
+    assert m.get_block_ids(b.request_id) == [] and m.get_num_free_blocks() == 1
+    assert [blk.block_id for blk in m.allocate_slots(b, 4)] == [3]
+    assert m.allocate_slots(a, 1) is None  # a needs a 3rd block: none left
+    m.block_pool.check_invariants()
+
+
+def test_evictable_cached_blocks_count_as_free_but_not_the_ones_being_hit():
+    m = make_manager(num_blocks=4)  # 3 usable
+    prompt = list(range(100, 109))
+    a = make_request(prompt_token_ids=prompt, block_size=4)
+    compute(m, a, 9)
+    m.free(a)
+    assert m.get_num_free_blocks() == 3 and len(m.block_pool.cached_blocks) == 2
+    # same prompt: hits 2 free cached blocks and needs 1 more -> fits exactly
+    b = make_request(prompt_token_ids=prompt, block_size=4)
+    blocks, hit = m.get_computed_blocks(b)
+    assert hit == 8
+    assert m.allocate_slots(b, 1, blocks, hit) is not None
+    assert m.get_num_free_blocks() == 0 and m.get_block_ids(b.request_id)[:2] == [blk.block_id for blk in blocks]
+    m.free(b)
+    # a request whose hit blocks are all the pool has cannot also take them as new blocks
+    c = make_request(prompt_token_ids=prompt + list(range(200, 204)), block_size=4)  # 13 tokens: 4 blocks
+    blocks, hit = m.get_computed_blocks(c)
+    assert hit == 8 and m.get_num_free_blocks() == 3
+    assert m.allocate_slots(c, 5, blocks, hit) is None  # 2 hit + 2 new > 3
+    assert [blk.ref_cnt for blk in blocks] == [0, 0] and m.get_block_ids(c.request_id) == []
+    m.block_pool.check_invariants()
+
+
+def test_stats_and_usage():
+    m = make_manager()
+    prompt = list(range(100, 109))
+    compute(m, make_request(prompt_token_ids=prompt, block_size=4), 9)
+    compute(m, make_request(prompt_token_ids=prompt, block_size=4), 1)
+    assert (m.prefix_cache_queries, m.prefix_cache_hits) == (18, 8)
+    assert m.prefix_cache_hit_rate == 8 / 18
+    assert m.usage == 4 / 8  # 3 blocks + 1 block, the first two shared
+
+
+def test_caching_disabled_never_hits():
+    m = make_manager(enable_caching=False)
+    prompt = list(range(100, 109))
+    compute(m, make_request(prompt_token_ids=prompt, block_size=4), 9)
+    assert m.get_computed_blocks(make_request(prompt_token_ids=prompt, block_size=4)) == ([], 0)
+    assert m.prefix_cache_hit_rate == 0.0
+
+
+def test_free_is_idempotent():
+    m = make_manager()
+    a = make_request(5, block_size=4)
+    compute(m, a, 5)
+    m.free(a)
+    m.free(a)
+    assert m.get_num_free_blocks() == 8
