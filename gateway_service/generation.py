@@ -1,0 +1,217 @@
+"""One Generate call at the gateway: validate, tokenize, admit to Redis, then stream the request's
+output records back as text — detokenized incrementally, stop strings applied — until it finishes.
+
+The gateway holds no request state beyond the life of the call: everything needed to resume a
+stream lives in Redis (the output stream, whose records carry their output indices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from gateway_service import convert
+from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway_service.messages import GenerateChunk, GenerateInput, Usage
+from gateway_service.model_limits import ModelLimits, ModelLimitsView
+from gateway_service.output_fanout import OutputFanout, Subscription
+from gateway_service.request_queue import RequestQueue
+from gateway_service.tokenizer import PromptTokenizer
+from pagedserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from pagedserve.redis_keys import RedisKeys
+from scheduler_service.core.outputs import FinishReason
+from scheduler_service.core.sampling_params import SEED_RANGE, SamplingParams
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class GenerationService:
+    """The gateway's logic, free of gRPC. ``in_flight`` counts live Generate streams."""
+
+    def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
+                 queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None) -> None:
+        self.model = model
+        self._keys = keys
+        self.tokenizer = tokenizer
+        self._limits = limits
+        self._queue = queue
+        self._fanout = fanout
+        self._rng = seed_rng if seed_rng is not None else random.SystemRandom()
+        self._background: set[asyncio.Task] = set()
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- shared checks --------------------------------------------------------------------------------
+
+    async def served_limits(self, model: str) -> ModelLimits:
+        """The limits of the served model; ``model`` must be empty or its name."""
+        if model and model != self.model:
+            raise InvalidArgumentError("model", f"unknown model {model!r}; this gateway serves {self.model!r}")
+        limits = await self._limits.get()
+        if limits is None:
+            raise UnavailableError(f"no worker serving {self.model!r} is registered")
+        return limits
+
+    def tokenize(self, text: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        return self.tokenizer.encode_text(text or "")
+
+    def _prompt_token_ids(self, inp: GenerateInput, limits: ModelLimits) -> list[int]:
+        if inp.prompt_token_ids is not None:
+            ids = inp.prompt_token_ids
+            if ids and max(ids) >= limits.vocab_size:
+                raise InvalidArgumentError("prompt_token_ids", f"token ids must be < vocab_size ({limits.vocab_size})")
+        elif inp.messages is not None:
+            ids = self.tokenizer.encode_chat(inp.messages)
+        else:
+            if not inp.prompt:
+                raise InvalidArgumentError("prompt", "must not be empty")
+            ids = self.tokenizer.encode_text(inp.prompt)
+        if not ids:
+            raise InvalidArgumentError("prompt", "must contain at least one token")
+        if len(ids) >= limits.max_model_len:
+            raise InvalidArgumentError(
+                "prompt", f"{len(ids)} tokens; the model takes at most {limits.max_model_len - 1} prompt tokens")
+        max_tokens = inp.sampling_params.max_tokens
+        if len(ids) + max_tokens > limits.max_model_len:
+            raise InvalidArgumentError(
+                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                              f"max_model_len ({limits.max_model_len})")
+        return ids
+
+    # -- Generate -------------------------------------------------------------------------------------
+
+    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None) -> AsyncIterator[GenerateChunk]:
+        """Admit the request and yield its chunks; the last has ``finish_reason`` and ``usage``.
+        Closing the iterator early (client gone, deadline) aborts the request."""
+        if self.draining:
+            raise UnavailableError("the gateway is draining; use another replica")
+        limits = await self.served_limits(inp.model)
+        if inp.request_id and not REQUEST_ID_RE.fullmatch(inp.request_id):
+            raise InvalidArgumentError("request_id", "at most 128 characters from [A-Za-z0-9._:-]")
+        if inp.resume_from_index is not None and not inp.request_id:
+            raise InvalidArgumentError("request_id", "required when resume_from_index is set")
+        prompt_ids = self._prompt_token_ids(inp, limits)
+        params = inp.sampling_params
+        if params.seed is None:  # decision 6: a seed at admission makes every replay identical
+            params = params.with_seed(self._rng.randrange(SEED_RANGE))
+        request_id = inp.request_id or uuid.uuid4().hex
+        self._enter()
+        sub = self._fanout.subscribe(self._keys.output(request_id))
+        admitted = finished = False
+        try:
+            if inp.resume_from_index is not None:
+                if not await self._queue.exists(request_id):
+                    raise NotFoundError(f"request {request_id!r} is unknown or its outputs expired")
+                await self._fanout.wake()
+            else:
+                now = time.time()
+                record = convert.engine_request_to_record(
+                    request_id, prompt_ids, params, arrival_time=now,
+                    deadline=now + timeout_s if timeout_s else 0.0, priority=inp.priority, cache_salt=inp.cache_salt)
+                await self._queue.admit(request_id, record, self._fanout.wake_key)
+            admitted = True
+            log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
+                     params.max_tokens)
+            log.debug("request %s prompt: %r", request_id, inp.prompt)
+            async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
+                if chunk.finish_reason is not None:
+                    finished = True
+                yield chunk
+        finally:
+            self._fanout.unsubscribe(sub)
+            if admitted and not finished:
+                log.info("request %s abandoned by its client: aborting", request_id)
+                self._abort_later(request_id)
+            self._exit()
+
+    async def _stream(self, request_id: str, sub: Subscription, prompt_ids: list[int], params: SamplingParams,
+                      inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer.hf, prompt_ids,
+                                             skip_special_tokens=not inp.include_special_tokens)
+        matcher = StopStringMatcher(params.stop)
+        start = inp.resume_from_index or 0  # tokens below it were delivered before: not sent again
+        next_index = 0  # every record token below it was seen (repeats after failover are dropped)
+        num_cached = 0
+        while True:
+            chunk = GenerateChunk(request_id=request_id, first_index=max(next_index, start))
+            text: list[str] = []
+            finish: FinishReason | None = None
+            for data in await sub.get():
+                record = convert.output_record_from_bytes(data)
+                if record.error_message:
+                    if record.error_field:
+                        raise InvalidArgumentError(record.error_field, record.error_message)
+                    raise UnavailableError(f"request {request_id} failed: {record.error_message}")
+                num_cached = max(num_cached, record.num_cached_tokens)
+                for j, token in enumerate(record.token_ids):
+                    index = record.first_index + j
+                    if index < next_index:
+                        continue
+                    next_index = index + 1
+                    piece, stop = matcher.feed(detokenizer.add(token))
+                    if index >= start:
+                        chunk.token_ids.append(token)
+                        text.append(piece)
+                        if record.logprobs:
+                            chunk.logprobs.append(record.logprobs[j])
+                    if stop is not None:
+                        finish, chunk.stop_string = FinishReason.STOP, stop
+                        self._abort_later(request_id)  # the scheduler does not know stop strings
+                        break
+                if finish is None and record.finish_reason is not None:
+                    finish = record.finish_reason
+                    piece, stop = matcher.feed(detokenizer.flush())
+                    text.append(piece if stop is not None else piece + matcher.flush())
+                    if stop is not None:
+                        finish, chunk.stop_string = FinishReason.STOP, stop
+                if finish is not None:
+                    break
+            chunk.text = "".join(text)
+            if finish is not None:
+                chunk.finish_reason = finish
+                chunk.usage = Usage(len(prompt_ids), next_index, num_cached)
+                log.info("request %s finished (%s): %d tokens", request_id, finish, next_index)
+                yield chunk
+                return
+            if chunk.token_ids or chunk.text:
+                yield chunk
+
+    # -- aborts and draining --------------------------------------------------------------------------
+
+    def _abort_later(self, request_id: str) -> None:
+        """Publish an abort without waiting (the caller may be a cancelled task)."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self._queue.abort(request_id)
+        except Exception as exc:  # Redis away: the scheduler finishes it at max_tokens anyway
+            log.warning("could not publish abort of %s: %s", request_id, exc)
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _exit(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Returns when no Generate stream is live (used while draining)."""
+        await self._idle.wait()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,39 @@
+"""The public Generation gRPC service: a thin layer of protobuf -> domain -> protobuf around
+:class:`~gateway_service.generation.GenerationService`. Errors are raised typed and mapped to
+status codes by the shared interceptor (pagedserve.serving)."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from gateway_service import convert
+from gateway_service.generation import GenerationService
+from pagedserve.pb import GENERATION_SERVICE, generation_pb2_grpc
+from pagedserve.serving import ServerLifecycle
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, service: GenerationService) -> None:
+        self._service = service
+
+    async def Generate(self, request, context):
+        inp = convert.generate_input_from_pb(request)
+        # aclosing: a cancelled call (client gone, deadline) closes the generator at once, which
+        # aborts the request in Redis.
+        async with aclosing(self._service.generate(inp, timeout_s=context.time_remaining())) as chunks:
+            async for chunk in chunks:
+                yield convert.chunk_to_pb(chunk)
+
+    async def Tokenize(self, request, context):
+        model, text, messages = convert.tokenize_input_from_pb(request)
+        await self._service.served_limits(model)
+        return convert.tokenize_response_to_pb(self._service.tokenize(text, messages))
+
+    async def ModelInfo(self, request, context):
+        return convert.model_info_to_pb(await self._service.served_limits(""))
+
+
+def build_server(service: GenerationService) -> ServerLifecycle:
+    lifecycle = ServerLifecycle([GENERATION_SERVICE])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), lifecycle.server)
+    return lifecycle

@@ -1,0 +1,60 @@
+"""The gateway's domain objects: what a Generate call asks for and what it streams back, and the
+scheduler's output records as the gateway reads them. Protobuf stays in ``convert.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.core.outputs import FinishReason, TokenLogprobs
+from scheduler_service.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateInput:
+    """One Generate call, validated field by field (sampling params included)."""
+
+    sampling_params: SamplingParams
+    prompt: str | None = None  # exactly one of prompt / messages / prompt_token_ids
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    model: str = ""
+    request_id: str = ""  # "" = assign one
+    resume_from_index: int | None = None
+    priority: int = 0
+    cache_salt: str = ""
+    include_special_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """One streamed response: new text and tokens, and on the last one the finish reason + usage."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    first_index: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    stop_string: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRecord:
+    """One entry of a request's output stream (an EngineOutput). An empty record is the admission
+    marker the gateway writes first."""
+
+    token_ids: list[int]
+    first_index: int
+    logprobs: list[TokenLogprobs]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    error_field: str = ""
+    error_message: str = ""

@@ -1,0 +1,109 @@
+"""One blocking multi-key XREAD loop per gateway for the output streams of all its live requests,
+fanned out to per-request asyncio queues (DESIGN.md decision 10: no per-request connections).
+
+A blocking XREAD only sees the keys it was called with, so adding a request wakes the loop by
+appending to the gateway's own small wake stream (``{prefix}gw:{gateway_id}:wake``), which every
+XREAD includes from the last wake entry it saw: a wake written before the XREAD reaches Redis is
+returned at once, so a key added while a call is being sent is never left unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.exceptions import RedisError
+
+from pagedserve.redis_keys import RedisKeys
+
+log = logging.getLogger(__name__)
+
+WAKE_MAXLEN = 16
+WAKE_TTL_S = 300
+
+
+class Subscription:
+    """The output stream of one request, as delivered so far. ``last_id`` is the newest entry
+    handed to ``queue``; the loop reads on from there."""
+
+    __slots__ = ("key", "last_id", "queue")
+
+    def __init__(self, key: str, start_id: str = "0-0") -> None:
+        self.key = key
+        self.last_id = start_id
+        self.queue: asyncio.Queue[list[bytes] | BaseException] = asyncio.Queue()
+
+    async def get(self) -> list[bytes]:
+        """Every record delivered since the last call, waiting for at least one."""
+        records = await self._take()
+        while not self.queue.empty():
+            records.extend(await self._take())
+        return records
+
+    async def _take(self) -> list[bytes]:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class OutputFanout:
+    def __init__(self, redis, keys: RedisKeys, gateway_id: str, *, block_ms: int = 1000,
+                 count: int = 256) -> None:
+        self._redis = redis
+        self._block_ms = block_ms
+        self._count = count  # entries per stream per XREAD
+        self.wake_key = keys.gateway_wake(gateway_id)
+        self._subs: dict[bytes, Subscription] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="output-fanout")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self._redis.delete(self.wake_key)
+
+    def subscribe(self, key: str) -> Subscription:
+        """Start delivering ``key``'s entries (from its beginning). The caller then writes to the
+        wake stream (:meth:`wake`, or within the admission script) so a blocked XREAD restarts."""
+        sub = Subscription(key)
+        self._subs[key.encode()] = sub
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subs.pop(sub.key.encode(), None)
+
+    async def wake(self) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(self.wake_key, {"w": "1"}, maxlen=WAKE_MAXLEN, approximate=True)
+        pipe.expire(self.wake_key, WAKE_TTL_S)
+        await pipe.execute()
+
+    async def _run(self) -> None:
+        wake = self.wake_key.encode()
+        wake_last: str | bytes = "0-0"
+        while True:
+            streams: dict[bytes, str | bytes] = {wake: wake_last}
+            for key, sub in self._subs.items():
+                streams[key] = sub.last_id
+            try:
+                reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
+            except RedisError as exc:
+                log.warning("reading output streams failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for key, entries in reply or ():
+                if key == wake:
+                    wake_last = entries[-1][0]
+                    continue
+                sub = self._subs.get(key)
+                if sub is None or not entries:
+                    continue  # a request that ended meanwhile
+                sub.last_id = entries[-1][0]
+                sub.queue.put_nowait([fields.get(b"data", b"") for _id, fields in entries])

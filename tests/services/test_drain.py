@@ -1,0 +1,87 @@
+"""SIGTERM semantics of the worker and the scheduler (NOT_SERVING at once, held requests finish,
+then the server stops), and a worker lost mid-generation. Each test builds a stack of its own
+under its own key prefix, so the shared one stays up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from pagedserve.aio_client import AsyncClient
+from pagedserve.errors import UnavailableError
+
+from .conftest import MAX_NUM_SEQS, NUM_BLOCKS
+from .test_health import NOT_SERVING, SERVING, health
+
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
+
+
+@contextlib.asynccontextmanager
+async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_url):
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+    from scheduler_service.service import SchedulerApp
+    from scheduler_service.settings import SchedulerSettings
+    from worker_service.config import ModelRunnerConfig
+    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
+                         hf_model=hf_model)
+    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_url, key_prefix=prefix),
+                       runner=runner)
+    await worker.start()
+    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_url, key_prefix=prefix, port=0,
+                                               workers=(worker.address,), poll_block_ms=200))
+    await scheduler.start()
+    await scheduler.wait_for_workers(1)
+    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, redis_url=redis_url, key_prefix=prefix,
+                                         read_block_ms=200), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    try:
+        yield worker, scheduler, gateway
+    finally:
+        await gateway.drain(1)
+        for app in (scheduler, worker):
+            if not app.lifecycle.draining:
+                await app.drain(1)
+
+
+async def test_draining_worker_and_scheduler_finish_what_they_hold(tiny_model_dir, hf_model, hf_tokenizer,
+                                                                    redis_server):
+    async with own_stack("drain:", tiny_model_dir, hf_model, hf_tokenizer, redis_server.url) as (
+            worker, scheduler, gateway):
+        scheduler_address = f"127.0.0.1:{scheduler.port}"
+        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=60) as client:
+            stream = client.stream("Hold on", max_tokens=80, ignore_eos=True)
+            first = await stream.__anext__()
+
+            worker_drain = asyncio.create_task(worker.drain(grace_s=30))
+            await asyncio.sleep(0.05)
+            assert await health(worker.address) == NOT_SERVING
+            scheduler_drain = asyncio.create_task(scheduler.drain(grace_s=30))
+            await asyncio.sleep(0.05)
+            assert await health(scheduler_address) == NOT_SERVING
+            assert not worker_drain.done() and not scheduler_drain.done()  # a request is still held
+
+            rest = [c async for c in stream]
+            await asyncio.wait_for(asyncio.gather(worker_drain, scheduler_drain), 30)
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 80
+        assert rest[-1].finish_reason == "length"
+
+
+async def test_worker_lost_mid_generation_fails_the_request_and_the_scheduler_stays_up(
+        tiny_model_dir, hf_model, hf_tokenizer, redis_server):
+    async with own_stack("lost:", tiny_model_dir, hf_model, hf_tokenizer, redis_server.url) as (
+            worker, scheduler, gateway):
+        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=60, retries=0) as client:
+            stream = client.stream("Interrupted", max_tokens=400, ignore_eos=True)
+            await stream.__anext__()
+            await worker.lifecycle.server.stop(0)  # the worker vanishes (no drain)
+            with pytest.raises(UnavailableError, match="worker failed"):
+                async for _chunk in stream:
+                    pass
+        assert await health(f"127.0.0.1:{scheduler.port}") == SERVING
+        assert scheduler.stats().num_aborted == 1

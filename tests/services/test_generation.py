@@ -1,0 +1,140 @@
+"""Generation through the whole stack (in-process services, real Redis, real gRPC, real model)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pagedserve.aio_client import AsyncClient
+from pagedserve.pb import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_service.core.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
+
+
+async def scheduler_stats(address: str) -> scheduler_pb2.StatsResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await scheduler_pb2_grpc.SchedulerAdminStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=5)
+
+
+async def wait_until_kv_free(address: str, timeout_s: float = 5.0) -> scheduler_pb2.StatsResponse:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await scheduler_stats(address)
+        if stats.num_running == 0 and stats.workers[0].kv_cache_usage == 0.0:
+            return stats
+        assert time.monotonic() < deadline, f"blocks not freed: {stats}"
+        await asyncio.sleep(0.02)
+
+
+async def test_streamed_greedy_generation_equals_llm_token_for_token(stack, llm):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    expected = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        chunks = []
+        async with client.stream(prompt, max_tokens=40, temperature=0, ignore_eos=True) as stream:
+            async for chunk in stream:
+                chunks.append(chunk)
+
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert token_ids == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text
+    indices = [c.first_index for c in chunks if c.token_ids]
+    assert indices == sorted(indices) and indices[0] == 0
+    last = chunks[-1]
+    assert last.finish_reason == "length"
+    assert last.usage.completion_tokens == 40
+    assert last.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+async def test_chat_goes_through_the_template_like_llm_chat(stack, llm):
+    messages = [{"role": "user", "content": "Say hello"}]
+    expected = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        got = await client.chat(messages, max_tokens=12, temperature=0, ignore_eos=True)
+        assert await client.tokenize(messages=messages) == expected.prompt_token_ids
+    assert list(got.token_ids) == expected.token_ids
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+async def test_32_concurrent_streams_finish_with_their_token_counts(stack):
+    async with AsyncClient(stack.gateway_address, timeout=120) as client:
+        async def one(i: int) -> tuple[int, int, str | None]:
+            completion = await client.generate(f"Request number {i}:", max_tokens=8 + i, ignore_eos=True, seed=i)
+            return len(completion.token_ids), completion.usage.completion_tokens, completion.finish_reason
+
+        results = await asyncio.gather(*(one(i) for i in range(32)))
+    assert results == [(8 + i, 8 + i, "length") for i in range(32)]
+
+
+async def test_seeded_sampling_is_reproducible_through_the_stack(stack):
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        a = await client.generate("Pick a word:", max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+        b = await client.generate("Pick a word:", max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+
+
+async def test_cancelled_stream_is_aborted_and_its_kv_blocks_freed(stack):
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        stream = client.stream("A very long story begins", max_tokens=400, ignore_eos=True)
+        got = 0
+        async for chunk in stream:
+            got += len(chunk.token_ids)
+            if got >= 3:
+                break
+        during = await scheduler_stats(stack.scheduler_address)
+        assert during.num_running >= 1 and during.workers[0].num_free_blocks < during.workers[0].num_total_blocks
+        aborted_before = during.num_aborted
+        await stream.aclose()
+
+    stats = await wait_until_kv_free(stack.scheduler_address)
+    assert stats.num_aborted == aborted_before + 1
+    assert stats.workers[0].num_free_blocks == stats.workers[0].num_total_blocks
+
+
+async def test_stop_string_ends_the_request_and_is_never_shown(stack, llm):
+    prompt = "Counting: one two three"
+    reference = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    stop = reference[10:13]  # a stop string the greedy output is known to contain
+    cut = reference.index(stop)
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        chunks = [c async for c in client.stream(prompt, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])]
+    text = "".join(c.text for c in chunks)
+    assert text == reference[:cut]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_string == stop
+    assert all(stop not in c.text for c in chunks)
+
+
+async def test_deadline_aborts_the_request_and_frees_its_blocks(stack):
+    from pagedserve.errors import DeadlineExceededError
+
+    async with AsyncClient(stack.gateway_address) as client:
+        with pytest.raises(DeadlineExceededError):
+            await client.generate("Never finishes in time", max_tokens=450, ignore_eos=True, timeout=0.5)
+    await wait_until_kv_free(stack.scheduler_address)
+
+
+async def test_resume_streams_a_request_again_from_an_output_index(stack):
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        original = await client.generate("Resume me", max_tokens=20, ignore_eos=True, seed=7,
+                                         request_id="resume-test-1")
+        resumed = await client.generate("Resume me", max_tokens=20, ignore_eos=True, seed=7,
+                                        request_id="resume-test-1", resume_from_index=12)
+    assert resumed.request_id == "resume-test-1"
+    assert list(resumed.token_ids) == list(original.token_ids[12:])
+    assert resumed.finish_reason == "length" and resumed.usage.completion_tokens == 20
+
+
+async def test_a_request_id_in_use_is_refused_and_an_unknown_one_cannot_be_resumed(stack):
+    from pagedserve.errors import AlreadyExistsError, NotFoundError
+
+    async with AsyncClient(stack.gateway_address, timeout=60, retries=0) as client:
+        await client.generate("once", max_tokens=2, request_id="dup-test-1")
+        with pytest.raises(AlreadyExistsError):
+            await client.generate("twice", max_tokens=2, request_id="dup-test-1")
+        with pytest.raises(NotFoundError):
+            await client.generate("who?", max_tokens=2, request_id="never-seen", resume_from_index=0)

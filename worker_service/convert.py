@@ -1,0 +1,57 @@
+"""Worker-side protobuf <-> dataclass conversions (worker.proto). The scheduler's
+``scheduler_service/convert.py`` holds the inverse of each; a round-trip test keeps them paired."""
+
+from __future__ import annotations
+
+from pagedserve.convert import logprobs_to_pb, sampling_params_from_pb
+from pagedserve.pb import worker_pb2
+from scheduler_service.core.outputs import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    WorkerInfo,
+)
+
+
+def describe_to_pb(info: WorkerInfo, *, worker_id: str, max_num_seqs: int,
+                   max_num_batched_tokens: int) -> worker_pb2.DescribeResponse:
+    return worker_pb2.DescribeResponse(
+        model=info.model, num_blocks=info.num_blocks, block_size=info.block_size,
+        max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=list(info.eos_token_ids), worker_id=worker_id,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
+    """The step's diff as the model runner takes it."""
+    num_scheduled: dict[str, int] = {}
+    new_reqs = []
+    for r in msg.scheduled_new_reqs:
+        new_reqs.append(NewRequestData(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+            output_token_ids=list(r.output_token_ids),
+            sampling_params=sampling_params_from_pb(r.sampling_params),
+            block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens))
+        num_scheduled[r.request_id] = r.num_scheduled_tokens
+    cached_reqs = []
+    for r in msg.scheduled_cached_reqs:
+        cached_reqs.append(CachedRequestData(
+            request_id=r.request_id, new_block_ids=list(r.new_block_ids),
+            num_computed_tokens=r.num_computed_tokens))
+        num_scheduled[r.request_id] = r.num_scheduled_tokens
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+        num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids), preempted_req_ids=set(msg.preempted_req_ids))
+
+
+def runner_output_to_pb(step_id: int, output: ModelRunnerOutput, execute_seconds: float
+                        ) -> worker_pb2.StepResponse:
+    msg = worker_pb2.StepResponse(step_id=step_id, execute_seconds=execute_seconds)
+    logprobs = output.logprobs
+    for rid, token_ids in output.sampled_token_ids.items():
+        sampled = msg.outputs.add(request_id=rid, token_ids=token_ids)
+        if logprobs and rid in logprobs:
+            logprobs_to_pb(logprobs[rid], sampled.logprobs)
+    return msg

@@ -1,0 +1,117 @@
+"""The worker's gRPC service: Describe, the Step bidirectional stream, and Reset, around a model
+runner (DESIGN.md decisions 3 and 10).
+
+The runner is blocking torch code; every call into it runs on one dedicated thread, so the event
+loop keeps answering health checks and moving stream messages during a long forward pass. One
+Step stream at a time: the worker's persistent batch mirrors exactly one scheduler's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from pagedserve.errors import FailedPreconditionError
+from pagedserve.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from pagedserve.serving import ServerLifecycle
+from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from worker_service import convert
+
+log = logging.getLogger(__name__)
+
+
+class StepRunner(Protocol):
+    """What the service needs of a model runner (worker_service.model_runner.ModelRunner)."""
+
+    @property
+    def info(self) -> WorkerInfo: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Invariant: ``_live`` is the set of request ids the runner holds (added by new requests,
+    removed by finished / preempted ids and by drops); it is empty whenever no Step stream is open
+    and the last drop has run."""
+
+    def __init__(self, runner: StepRunner, *, worker_id: str, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self._runner = runner
+        self._info = runner.info
+        self._worker_id = worker_id
+        self._max_num_seqs = max_num_seqs
+        self._max_num_batched_tokens = max_num_batched_tokens
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        self._live: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stream_open = False
+        self.num_steps = 0
+
+    # -- rpcs -----------------------------------------------------------------------------------------
+
+    async def Describe(self, request, context):
+        return convert.describe_to_pb(
+            self._info, worker_id=self._worker_id, max_num_seqs=self._max_num_seqs,
+            max_num_batched_tokens=self._max_num_batched_tokens)
+
+    async def Step(self, request_iterator, context):
+        if self._stream_open:
+            raise FailedPreconditionError("this worker is already driven by a scheduler (one Step stream at a time)")
+        self._stream_open = True
+        peer = context.peer()
+        log.info("scheduler %s connected", peer)
+        try:
+            async for msg in request_iterator:
+                scheduler_output = convert.scheduler_output_from_pb(msg)
+                started = time.perf_counter()
+                output = await self._execute(scheduler_output)
+                yield convert.runner_output_to_pb(msg.step_id, output, time.perf_counter() - started)
+        finally:
+            self._stream_open = False
+            log.info("scheduler %s disconnected; dropping %d requests", peer, len(self._live))
+            # Not awaited: the generator may be closing because its task was cancelled.
+            asyncio.get_running_loop().create_task(self._drop_all())
+
+    async def Reset(self, request, context):
+        return worker_pb2.ResetResponse(num_dropped=await self._drop_all())
+
+    # -- runner calls ---------------------------------------------------------------------------------
+
+    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        live = self._live
+        live.difference_update(scheduler_output.finished_req_ids)
+        live.difference_update(scheduler_output.preempted_req_ids)
+        live.update(r.request_id for r in scheduler_output.scheduled_new_reqs)
+        if live:
+            self._idle.clear()
+        else:
+            self._idle.set()
+        loop = asyncio.get_running_loop()
+        output = await loop.run_in_executor(self._executor, self._runner.execute_model, scheduler_output)
+        self.num_steps += 1
+        return output
+
+    async def _drop_all(self) -> int:
+        """Finish every live request in the runner (one empty step carrying their ids)."""
+        dropped = set(self._live)
+        if dropped:
+            await self._execute(SchedulerOutput(finished_req_ids=dropped))
+        self._idle.set()
+        return len(dropped)
+
+    async def wait_idle(self) -> None:
+        """Returns once the runner holds no request (used while draining)."""
+        await self._idle.wait()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def build_server(servicer: WorkerServicer) -> ServerLifecycle:
+    lifecycle = ServerLifecycle([WORKER_SERVICE])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, lifecycle.server)
+    return lifecycle
