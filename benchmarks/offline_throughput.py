@@ -1,0 +1,258 @@
+"""Offline throughput: pagedserve's continuous batching vs transformers' static batching.
+
+The same requests (fixed seed: prompt lengths uniform in [32, 512] random token ids, output lengths
+uniform in [16, 256], every request generating exactly its length) go through
+
+- ``pagedserve.LLM.generate`` — all at once, continuous batching over the paged KV cache, and
+- transformers ``generate`` in static batches of 8 in arrival order (left-padded; a batch runs until
+  its longest request is done; only the tokens each request asked for count as useful).
+
+Both decode greedily. Model load time is excluded from the throughput figures and reported
+separately. Peak resident memory (RSS) is sampled during each phase. Results go to a JSON file and a
+PNG bar chart beside it.
+
+    python benchmarks/offline_throughput.py                      # the full run (a few minutes on CPU)
+    python benchmarks/offline_throughput.py --num-requests 8     # a quick one
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def make_requests(n: int, seed: int, vocab_size: int, prompt_range: tuple[int, int],
+                  output_range: tuple[int, int]) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    low_id = 100  # skip the special tokens at the start of the vocabulary
+    return [
+        BenchRequest([rng.randrange(low_id, vocab_size) for _ in range(rng.randint(*prompt_range))],
+                     rng.randint(*output_range))
+        for _ in range(n)
+    ]
+
+
+class PeakRSS:
+    """Samples this process's resident set size in a background thread; ``peak`` per phase."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self.load_before = self.load_after = 0.0
+
+    @staticmethod
+    def current() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    @contextmanager
+    def phase(self) -> Iterator[PeakRSS]:
+        self.peak = self.current()
+        self.load_before = os.getloadavg()[0]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(self.interval_s):
+                self.peak = max(self.peak, self.current())
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+            self.peak = max(self.peak, self.current())
+            self.load_after = os.getloadavg()[0]
+
+    def load(self) -> list[float]:
+        """1-minute load average before and after the phase: other processes' CPU use skews results."""
+        return [round(self.load_before, 2), round(self.load_after, 2)]
+
+
+def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Namespace) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    rss = PeakRSS()
+    t0 = time.perf_counter()
+    llm = LLM(model, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+              attention_backend=args.attention_backend, dtype=args.dtype, skip_tokenizer_init=True)
+    init_s = time.perf_counter() - t0
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    with rss.phase():
+        t0 = time.perf_counter()
+        outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=args.progress)
+        elapsed = time.perf_counter() - t0
+    produced = sum(len(o.token_ids) for o in outputs)
+    expected = sum(r.output_len for r in requests)
+    if produced != expected:
+        raise RuntimeError(f"pagedserve produced {produced} tokens, expected {expected}")
+    stats = llm.scheduler.stats()
+    info = llm.info
+    result = {
+        "engine_init_s": round(init_s, 3),  # loading the weights through transformers included
+        "generate_s": round(elapsed, 3),
+        "output_tokens": produced,
+        "output_tokens_per_s": round(produced / elapsed, 2),
+        "peak_rss_bytes": rss.peak,
+        "load_average_before_after": rss.load(),
+        "num_preemptions": stats.num_preemptions,
+        "num_blocks": info.num_blocks,
+        "block_size": info.block_size,
+        "attention_backend": llm.runner.attention_backend,
+    }
+    del llm
+    return result
+
+
+def run_hf_static(hf_model: Any, requests: list[BenchRequest], batch_size: int, pad_token_id: int) -> dict:
+    rss = PeakRSS()
+    useful = 0
+    generated = 0
+    with rss.phase(), torch.inference_mode():
+        t0 = time.perf_counter()
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start : start + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):  # left padding
+                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[i, width - len(r.prompt_token_ids):] = 1
+            new = max(r.output_len for r in batch)
+            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                    do_sample=False, pad_token_id=pad_token_id)
+            generated += (out.shape[1] - width) * len(batch)
+            useful += sum(r.output_len for r in batch)
+        elapsed = time.perf_counter() - t0
+    return {
+        "batch_size": batch_size,
+        "generate_s": round(elapsed, 3),
+        "useful_output_tokens": useful,
+        "generated_tokens_incl_padding": generated,
+        "output_tokens_per_s": round(useful / elapsed, 2),
+        "peak_rss_bytes": rss.peak,
+        "load_average_before_after": rss.load(),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, values = ["pagedserve\n(continuous)"], [result["pagedserve"]["output_tokens_per_s"]]
+    if result.get("hf_static"):
+        names.append(f"transformers\n(static, batch {result['hf_static']['batch_size']})")
+        values.append(result["hf_static"]["output_tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(5, 4))
+    bars = ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(values)])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("output tokens / s (load time excluded)")
+    ratio = result.get("speedup")
+    ax.set_title(f"{result['model']}, {result['num_requests']} requests" + (f" — {ratio:.2f}x" if ratio else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--skip-hf", action="store_true", help="run pagedserve only")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", default="1536MiB", help="enough for the default workload without preemption")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--output", default="benchmarks/results/offline_throughput.json")
+    args = p.parse_args(argv)
+
+    from pagedserve.model_registry import resolve_model
+    from worker_service.loader import load_hf_config, resolve_dtype
+
+    source = resolve_model(args.model)
+    hf_config = load_hf_config(source)
+    dtype = resolve_dtype(args.dtype, hf_config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    requests = make_requests(args.num_requests, args.seed, hf_config.vocab_size, tuple(args.prompt_len),
+                             tuple(args.output_len))
+    print(f"{len(requests)} requests: {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens; torch threads {torch.get_num_threads()}")
+
+    result: dict[str, Any] = {
+        "model": args.model,
+        "num_requests": len(requests),
+        "seed": args.seed,
+        "prompt_len_range": list(args.prompt_len),
+        "output_len_range": list(args.output_len),
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_time_excluded": True,
+        "engine_options": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                           "kv_cache_memory": args.kv_cache_memory},
+    }
+    # transformers first, then its model is dropped, so each phase's peak RSS is its own
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
+                                                        **source.from_pretrained_kwargs()).eval()
+        result["hf_model_load_s"] = round(time.perf_counter() - t0, 3)
+        pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
+        result["hf_static"] = run_hf_static(hf_model, requests, args.hf_batch_size, pad)
+        print(f"transformers static batches of {args.hf_batch_size}: {result['hf_static']['output_tokens_per_s']} "
+              f"useful output tok/s ({result['hf_static']['generate_s']} s, "
+              f"peak RSS {result['hf_static']['peak_rss_bytes'] / 2**30:.2f} GiB)")
+        del hf_model
+        gc.collect()
+    result["pagedserve"] = run_pagedserve(args.model, requests, args)
+    print(f"pagedserve: {result['pagedserve']['output_tokens_per_s']} output tok/s "
+          f"({result['pagedserve']['generate_s']} s, peak RSS {result['pagedserve']['peak_rss_bytes'] / 2**30:.2f} GiB)")
+    if "hf_static" in result:
+        result["speedup"] = round(result["pagedserve"]["output_tokens_per_s"] / result["hf_static"]["output_tokens_per_s"], 2)
+        print(f"speedup: {result['speedup']}x")
+    print(f"load time excluded from throughput (reported separately): pagedserve engine init "
+          f"{result['pagedserve']['engine_init_s']} s" +
+          (f", transformers load {result['hf_model_load_s']} s" if "hf_model_load_s" in result else ""))
+
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""pagedserve: PagedAttention + continuous batching, as gRPC services or in one process.
+
+Kept light: names are imported lazily, so ``import pagedserve`` (e.g. for the client SDK) does not
+import torch or transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "LLM": "pagedserve.llm",
+    "RequestOutput": "pagedserve.llm",
+    "SamplingParams": "scheduler_service.core.sampling_params",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:
+    from pagedserve.llm import LLM, RequestOutput
+    from scheduler_service.core.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,257 @@
+"""``pagedserve.LLM``: the offline engine — scheduler core + model runner in one process.
+
+No gRPC, no Redis: each step is ``Scheduler.schedule()`` → ``ModelRunner.execute_model()`` →
+``Scheduler.update_from_output()``, the same contract the services speak over the wire.
+
+    llm = LLM("smollm2-135m")
+    outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.outputs import TokenLogprobs
+from scheduler_service.core.request import Request
+from scheduler_service.core.sampling_params import SamplingParams
+from scheduler_service.core.scheduler import Scheduler
+
+Prompt = Union[str, Sequence[int]]
+Message = dict[str, Any]
+
+_TQDM_MIN_PROMPTS = 64  # use_tqdm=None shows a progress bar from this many prompts on
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str | None  # the prompt text when one was given
+    prompt_token_ids: list[int]
+    text: str  # the output decoded (special tokens skipped)
+    token_ids: list[int]  # output token ids
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # one per output token when SamplingParams.logprobs is set
+
+
+@dataclass(slots=True)
+class _Pending:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+def load_tokenizer(model: str) -> Any:
+    """The Hugging Face tokenizer of ``model`` (any name :func:`resolve_model` accepts)."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.model_registry import resolve_model
+
+    source = resolve_model(model)
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load one from {model!r} ({e}); pass tokenizer=<name> or "
+                         "skip_tokenizer_init=True (token-id prompts only)") from e
+
+
+class LLM:
+    """Generate text for a batch of prompts with continuous batching over a paged KV cache.
+
+    Engine options (all keywords): ``dtype`` (auto | float32 | bfloat16 | float16), ``device``,
+    ``seed`` (draws the seeds of requests that come without one), ``block_size``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
+    ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``policy``, ``kv_cache_memory``
+    ("2GiB"), ``gpu_memory_fraction``, ``num_blocks`` (overrides the memory budget),
+    ``attention_backend`` (auto | torch | triton), ``tokenizer`` (another name to load the tokenizer
+    from), ``skip_tokenizer_init`` (token-id prompts only; ``text`` stays empty), ``hf_model`` (an
+    already loaded transformers model of ``model``: its weights are reused instead of loaded again).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs",
+        kv_cache_memory: str | int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        num_blocks: int | None = None,
+        attention_backend: str = "auto",
+        hf_model: Any | None = None,
+        skip_tokenizer_init: bool = False,
+    ) -> None:
+        from worker_service.config import ModelRunnerConfig
+        from worker_service.model_runner import ModelRunner
+
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            policy=policy,
+        )
+        runner_config = ModelRunnerConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory, gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks,
+            attention_backend=attention_backend,
+        )
+        self.runner = ModelRunner(runner_config, hf_model=hf_model)
+        self.scheduler = Scheduler(self.scheduler_config, self.runner.info, seed_rng=random.Random(seed))
+        # without a tokenizer, prompts must be token ids and outputs carry no text
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
+        self._ids = itertools.count()
+
+    @property
+    def info(self):  # WorkerInfo of the model runner
+        return self.runner.info
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per prompt, in prompt order.
+
+        ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one for
+        all prompts or one per prompt (default ``SamplingParams()``). Invalid input raises
+        ``InvalidParameterError`` naming the field before any request runs.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # one prompt
+        token_lists = [self._tokenize(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``)
+        or to a list of conversations, and generate one output for each."""
+        tokenizer = self._require_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            texts.append(text)
+            token_lists.append(tokenizer.encode(text, add_special_tokens=False))
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    # -- engine loop ----------------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer (LLM was built with skip_tokenizer_init=True)")
+        return self.tokenizer
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self._require_tokenizer().encode(prompt))
+        return [int(t) for t in prompt]
+
+    def _run(self, texts: list[str | None], token_lists: list[list[int]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool | None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(token_lists)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(token_lists):
+                raise ValueError(f"sampling_params: {len(params_list)} given for {len(token_lists)} prompts")
+        pending: dict[str, _Pending] = {}
+        order: list[str] = []
+        try:
+            for text, ids, params in zip(texts, token_lists, params_list):
+                rid = str(next(self._ids))
+                self.scheduler.add_request(Request(rid, ids, params, arrival_time=float(len(order))))
+                pending[rid] = _Pending(text, ids, logprobs=[] if params.logprobs is not None else None)
+                order.append(rid)
+            self._loop(pending, use_tqdm if use_tqdm is not None else len(order) >= _TQDM_MIN_PROMPTS)
+        finally:
+            unfinished = [rid for rid in order if pending[rid].finish_reason is None]
+            if unfinished:
+                self.scheduler.abort(unfinished)
+        return [self._output(rid, pending[rid]) for rid in order]
+
+    def _loop(self, pending: dict[str, _Pending], use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(pending), desc="generate", unit="req")
+        remaining = len(pending)
+        try:
+            while remaining:
+                scheduler_output = self.scheduler.schedule()
+                if scheduler_output.is_empty and not self.scheduler.has_unfinished_requests():
+                    break
+                runner_output = self.runner.execute_model(scheduler_output)
+                for out in self.scheduler.update_from_output(scheduler_output, runner_output):
+                    state = pending.get(out.request_id)
+                    if state is None:
+                        continue
+                    state.token_ids.extend(out.new_token_ids)
+                    state.num_cached_tokens = out.num_cached_tokens
+                    if state.logprobs is not None and out.new_logprobs:
+                        state.logprobs.extend(out.new_logprobs)
+                    if out.finished:
+                        state.finish_reason = str(out.finish_reason)
+                        remaining -= 1
+                        if bar is not None:
+                            bar.update(1)
+                if scheduler_output.is_empty and remaining:
+                    raise RuntimeError("the scheduler made no progress with requests outstanding")
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _output(self, rid: str, state: _Pending) -> RequestOutput:
+        return RequestOutput(
+            request_id=rid,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            text=self.tokenizer.decode(state.token_ids, skip_special_tokens=True) if self.tokenizer else "",
+            token_ids=state.token_ids,
+            finish_reason=state.finish_reason,
+            num_cached_tokens=state.num_cached_tokens,
+            logprobs=state.logprobs,
+        )

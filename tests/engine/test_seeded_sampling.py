@@ -1,0 +1,64 @@
+"""Sampling randomness is a pure function of (seed, output position): a seeded request samples the
+same tokens alone, inside a batch, when chunked or preempted; unseeded ones follow the engine seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from worker.factories import random_prompts
+
+SEEDED = SamplingParams(max_tokens=32, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
+OTHERS = [
+    SamplingParams(max_tokens=20, temperature=0.0),
+    SamplingParams(max_tokens=40, temperature=1.0, seed=7),
+    SamplingParams(max_tokens=12, temperature=0.7, min_p=0.1, seed=8),
+    SamplingParams(max_tokens=33, temperature=1.2, repetition_penalty=1.3, seed=9),
+    SamplingParams(max_tokens=25, temperature=0.5, presence_penalty=1.0, frequency_penalty=0.5),
+    SamplingParams(max_tokens=30, temperature=1.0, top_k=5, logprobs=3),
+    SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.5),
+    SamplingParams(max_tokens=28, temperature=1.0, top_p=0.5, seed=1234),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([23, 3, 50, 9, 31, 70, 12, 5, 44], seed=11)
+
+
+def seeded_tokens(llm: LLM, prompts, together: bool) -> list[int]:
+    if not together:
+        return llm.generate([prompts[0]], SEEDED)[0].token_ids
+    outputs = llm.generate(prompts, [SEEDED, *OTHERS])
+    return outputs[0].token_ids
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch_of_eight(tiny_llama, prompts):
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True)
+    alone = seeded_tokens(llm, prompts, together=False)
+    assert len(alone) == 32 and len(set(alone)) > 5  # it really sampled
+    assert seeded_tokens(llm, prompts, together=True) == alone
+    # chunked prefill and preemption change the batches, not the tokens
+    chunked = LLM(tiny_llama.path, skip_tokenizer_init=True, max_num_batched_tokens=16)
+    assert seeded_tokens(chunked, prompts, together=True) == alone
+    small = LLM(tiny_llama.path, skip_tokenizer_init=True, num_blocks=14, block_size=8)
+    assert seeded_tokens(small, prompts, together=True) == alone
+    assert small.scheduler.stats().num_preemptions > 0
+
+
+def test_different_seeds_give_different_samples(tiny_llama, prompts):
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True)
+    a, b = llm.generate([prompts[0]] * 2, [SEEDED, SEEDED.with_seed(99)])
+    assert a.token_ids != b.token_ids
+
+
+def test_unseeded_requests_follow_the_engine_seed(tiny_llama, prompts):
+    params = SamplingParams(max_tokens=16, temperature=1.0)
+
+    def run(seed: int) -> list[list[int]]:
+        llm = LLM(tiny_llama.path, skip_tokenizer_init=True, seed=seed)
+        return [o.token_ids for o in llm.generate(prompts[:3], params)]
+
+    first = run(5)
+    assert run(5) == first
+    assert run(6) != first

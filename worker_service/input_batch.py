@@ -1,0 +1,114 @@
+"""The persistent batch: every running request's token ids, block table and sampling settings.
+
+State lives in preallocated CPU numpy arrays, one row per request, kept between steps and changed
+only by each step's diff (DESIGN.md decision 3). A row is given to a request when it arrives and
+returned when it finishes or is preempted; rows need not be contiguous (a step gathers the rows it
+schedules with one fancy index).
+
+Invariants:
+- ``token_ids[row, :num_tokens[row]]`` = prompt + outputs known to this worker (outputs it sampled
+  are appended by the runner; the scheduler may still drop them by finishing the request).
+- ``block_table[row, :num_blocks[row]]`` is the request's block table; it only grows while the
+  request runs (the scheduler's tables are append-only).
+"""
+
+from __future__ import annotations
+
+import heapq
+import numpy as np
+
+from scheduler_service.core.outputs import CachedRequestData, NewRequestData
+from scheduler_service.core.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = max_blocks_per_req
+        # one spare column: the token sampled at max_model_len is stored before the scheduler stops it
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # prompt + outputs
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # as the scheduler last said
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # sampling settings, one column each (gathered per step for the rows that sample)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)  # -1 = off
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1 = none
+        self.rows: dict[str, int] = {}  # request id -> row
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs  # by row
+        self._free_rows = list(range(max_num_reqs))  # a heap: lowest free row first
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row_of(self, request_id: str) -> int:
+        return self.rows[request_id]
+
+    def add(self, new: NewRequestData) -> int:
+        """Give ``new`` a row; raises ``ValueError`` if it does not fit (batch full, too long)."""
+        if new.request_id in self.rows:
+            self.remove(new.request_id)  # a resumed request replaces any stale copy
+        num_prompt = len(new.prompt_token_ids)
+        num_tokens = num_prompt + len(new.output_token_ids)
+        if not self._free_rows:
+            raise ValueError(f"persistent batch is full ({self.max_num_reqs} requests); raise max_num_seqs")
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {new.request_id}: {num_tokens} tokens exceed max_model_len {self.max_model_len}")
+        if len(new.block_ids) > self.max_blocks_per_req:
+            raise ValueError(f"request {new.request_id}: {len(new.block_ids)} blocks exceed {self.max_blocks_per_req}")
+        if new.sampling_params.seed is None:
+            raise ValueError(f"request {new.request_id}: sampling_params.seed must be set at admission")
+        row = heapq.heappop(self._free_rows)
+        self.rows[new.request_id] = row
+        self.sampling_params[row] = new.sampling_params
+        self.token_ids[row, :num_prompt] = new.prompt_token_ids
+        self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        p = new.sampling_params
+        self.temperature[row] = p.temperature
+        self.top_k[row] = p.top_k
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.seed[row] = p.seed
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        return row
+
+    def update(self, cached: CachedRequestData) -> None:
+        """Append new block ids and take the scheduler's computed-token count."""
+        row = self.rows[cached.request_id]
+        start, added = int(self.num_blocks[row]), len(cached.new_block_ids)
+        if added:
+            if start + added > self.max_blocks_per_req:
+                raise ValueError(f"request {cached.request_id}: block table exceeds {self.max_blocks_per_req} blocks")
+            self.block_table[row, start : start + added] = cached.new_block_ids
+            self.num_blocks[row] = start + added
+        self.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def remove(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.sampling_params[row] = None
+            heapq.heappush(self._free_rows, row)
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of ``rows`` (vectorised)."""
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1

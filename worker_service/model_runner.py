@@ -1,0 +1,241 @@
+"""The model runner: applies each step's diff to the persistent batch, runs one forward pass over
+the scheduled tokens with paged attention, and samples.
+
+This is the seam shared by the in-process engine (``pagedserve.LLM``) and the worker's gRPC
+service: ``execute_model(SchedulerOutput) -> ModelRunnerOutput`` and ``info -> WorkerInfo``. It
+knows nothing of gRPC, Redis or tokenizers.
+
+Per step the CPU work is a handful of vectorised numpy operations over the scheduled requests
+(positions, input ids, slot mapping, block tables); each resulting array is copied to the device
+once. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels import get_attention_ops
+from scheduler_service.core.errors import InvalidParameterError
+from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
+from worker_service.config import ModelRunnerConfig
+from worker_service.input_batch import InputBatch
+from worker_service.kv_cache import allocate_kv_caches, determine_num_blocks
+from worker_service.loader import LoadedModel, load_model
+from worker_service.models.layers import AttentionMetadata, ForwardContext
+from worker_service.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's flattened inputs (device tensors) and the bookkeeping to read the results back."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: last token of each sequence that samples
+    sample_req_ids: list[str]  # request id of each sampling row
+    sample_rows: np.ndarray  # [N] persistent-batch rows of the sampling requests
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+class ModelRunner:
+    """Owns the weights, the KV cache and the persistent batch of one worker.
+
+    ``loaded``: an already loaded model (dependency injection for tests); ``hf_model``: a loaded
+    transformers model of ``config.model`` to take the weights from instead of reading them again.
+    """
+
+    def __init__(self, config: ModelRunnerConfig, *, loaded: LoadedModel | None = None,
+                 hf_model: Any | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device) if config.device else default_device()
+        if loaded is None:
+            loaded = load_model(config.model, dtype=config.dtype, device=self.device,
+                                max_positions=config.max_model_len, hf_model=hf_model)
+        self.loaded = loaded
+        self.model = loaded.model
+        cfg = self.model.cfg
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise InvalidParameterError("max_model_len", f"{self.max_model_len} exceeds the model's "
+                                                         f"max_position_embeddings ({cfg.max_position_embeddings})")
+        self.block_size = config.block_size
+        self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
+        self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
+        self.sampler = Sampler()
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = loaded.eos_token_ids
+        ops = get_attention_ops(resolve_attention_backend(config.attention_backend, self.device))
+        self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
+        self.attention_backend = ops.backend
+
+    @property
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            model=self.loaded.source.name,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=tuple(self.eos_token_ids),
+        )
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the diff, run the scheduled tokens, return the tokens of the requests that sample.
+
+        A request samples exactly when this step's tokens reach the end of its known token ids; the
+        sampled token is appended to the worker's copy of them.
+        """
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        inputs = self._prepare_inputs(scheduler_output)
+        ctx = ForwardContext(inputs.metadata, self.kv_caches, self.reshape_and_cache, self.paged_attention)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, D]
+        if not inputs.sample_req_ids:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+        sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+        return self._collect(inputs, sampled)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            batch.remove(rid)
+        for rid in so.preempted_req_ids:
+            batch.remove(rid)
+        for new in so.scheduled_new_reqs:
+            batch.add(new)
+        for cached in so.scheduled_cached_reqs:
+            batch.update(cached)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch, bs = self.batch, self.block_size
+        req_ids = list(so.num_scheduled_tokens)
+        rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))  # [S]
+        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))  # [S]
+        computed = batch.num_computed_tokens[rows].astype(np.int64)  # [S]
+        seq_lens = computed + counts  # [S]
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # per token: its sequence, its row in the persistent batch, its position in that sequence
+        token_seq = np.repeat(np.arange(len(rows)), counts)  # [T]
+        token_rows = rows[token_seq]
+        positions = np.arange(num_tokens) - query_start_loc[:-1][token_seq] + computed[token_seq]
+        if int(seq_lens.max()) > batch.max_model_len or (seq_lens > batch.num_tokens[rows]).any():
+            raise ValueError("scheduler output schedules tokens past a request's known token ids")
+        input_ids = batch.token_ids[token_rows, positions]
+        block_ids = batch.block_table[token_rows, positions // bs].astype(np.int64)
+        slot_mapping = block_ids * bs + positions % bs
+        max_blocks = -(-int(seq_lens.max()) // bs)
+        block_tables = batch.block_table[rows, :max_blocks]  # [S, max_blocks] int32
+        samples = seq_lens == batch.num_tokens[rows]  # [S] reaches the end of its known tokens
+        logits_indices = query_start_loc[1:][samples] - 1
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=_to(slot_mapping, dev),
+            block_tables=_to(block_tables, dev),
+            query_start_loc=_to(query_start_loc.astype(np.int32), dev),
+            seq_lens=_to(seq_lens.astype(np.int32), dev),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return StepInputs(
+            input_ids=_to(input_ids.astype(np.int64), dev),
+            positions=_to(positions, dev),
+            metadata=metadata,
+            logits_indices=_to(logits_indices, dev),
+            sample_req_ids=[rid for rid, s in zip(req_ids, samples) if s],
+            sample_rows=rows[samples],
+        )
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Gather the sampling rows' settings; optional features only when some row uses them."""
+        b, dev, vocab = self.batch, self.device, self.vocab_size
+        num_prompt = b.num_prompt_tokens[rows].astype(np.int64)
+        num_tokens = b.num_tokens[rows].astype(np.int64)
+        meta = SamplingMetadata(
+            temperature=_to(b.temperature[rows], dev),
+            seeds=_to(b.seed[rows], dev),
+            positions=_to(num_tokens - num_prompt, dev),
+        )
+        top_k = b.top_k[rows]
+        if ((top_k > 0) & (top_k < vocab)).any():
+            meta.top_k = _to(np.where(top_k > 0, np.minimum(top_k, vocab), vocab), dev)
+        if (b.top_p[rows] < 1.0).any():
+            meta.top_p = _to(b.top_p[rows], dev)
+        if (b.min_p[rows] > 0.0).any():
+            meta.min_p = _to(b.min_p[rows], dev)
+        rep, pres, freq = b.repetition_penalty[rows], b.presence_penalty[rows], b.frequency_penalty[rows]
+        if (rep != 1.0).any() or (pres != 0.0).any() or (freq != 0.0).any():
+            meta.repetition_penalty = _to(rep, dev) if (rep != 1.0).any() else None
+            meta.presence_penalty = _to(pres, dev) if (pres != 0.0).any() else None
+            meta.frequency_penalty = _to(freq, dev) if (freq != 0.0).any() else None
+            width = int(num_tokens.max())
+            tokens = b.token_ids[rows, :width].astype(np.int64)  # [N, L]
+            col = np.arange(width)[None, :]
+            in_prompt = col < num_prompt[:, None]
+            in_output = ~in_prompt & (col < num_tokens[:, None])
+            meta.prompt_token_ids = _to(np.where(in_prompt, tokens, vocab), dev)
+            meta.output_token_ids = _to(np.where(in_output, tokens, vocab), dev)
+        short = np.nonzero(num_tokens - num_prompt < b.min_tokens[rows])[0]
+        if len(short):  # before min_tokens, stop tokens (and EOS unless ignored) cannot be sampled
+            ban_rows: list[int] = []
+            ban_tokens: list[int] = []
+            for i in short.tolist():
+                params = b.sampling_params[int(rows[i])]
+                stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+                stop = {t for t in stop if t < vocab}
+                ban_rows += [i] * len(stop)
+                ban_tokens += sorted(stop)
+            if ban_rows:
+                meta.banned_tokens = (_to(np.array(ban_rows), dev), _to(np.array(ban_tokens), dev))
+        num_logprobs = b.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            meta.max_num_logprobs = int(num_logprobs.max())
+        return meta
+
+    def _collect(self, inputs: StepInputs, sampled: SamplerOutput) -> ModelRunnerOutput:
+        token_ids = sampled.token_ids.cpu().numpy()
+        self.batch.append_tokens(inputs.sample_rows, token_ids.astype(np.int32))
+        out = ModelRunnerOutput(
+            sampled_token_ids={rid: [int(t)] for rid, t in zip(inputs.sample_req_ids, token_ids.tolist())}
+        )
+        if sampled.logprobs is not None:
+            num_logprobs = self.batch.num_logprobs[inputs.sample_rows].tolist()
+            logprobs = sampled.logprobs.cpu().tolist()
+            top_ids = sampled.top_token_ids.cpu().tolist() if sampled.top_token_ids is not None else None
+            top_lps = sampled.top_logprobs.cpu().tolist() if sampled.top_logprobs is not None else None
+            for i, rid in enumerate(inputs.sample_req_ids):
+                n = num_logprobs[i]
+                if n < 0:
+                    continue
+                top = list(zip(top_ids[i][:n], top_lps[i][:n])) if top_ids is not None else []
+                out.logprobs[rid] = [TokenLogprobs(int(token_ids[i]), logprobs[i], top)]
+        return out
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One host→device copy (a zero-copy view on the CPU)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -1,0 +1,121 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embeddings, paged attention.
+
+Numerics follow Hugging Face's implementations step by step (fp32 norm statistics, cos/sin computed
+in fp32 from the same inverse frequencies), so that greedy decoding matches ``generate`` token for
+token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture (or one of its options) is not implemented here."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32) from ``rope_parameters`` (or the older
+    ``rope_theta`` / ``rope_scaling``): the default, ``linear`` and Llama-3 (``llama3``) kinds."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if not params and isinstance(legacy, dict):
+        params = dict(legacy)
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        factor = params["factor"]
+        low_factor, high_factor = params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low_factor, old_len / high_factor
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_factor) / (high_factor - low_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, linear, llama3 are)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, looked up per packed token."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, Dh] (broadcast over heads)
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, Dh]; rotate_half pairs dimension i with i + Dh/2 (the Hugging Face layout)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens live in the paged KV cache (built once per step by the runner)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32: block ids of each scheduled sequence
+    query_start_loc: torch.Tensor  # [S + 1] int32: sequence s owns tokens [qsl[s], qsl[s+1])
+    seq_lens: torch.Tensor  # [S] int32: context length including this step's tokens
+    max_query_len: int
+    max_seq_len: int
+
+
+ReshapeAndCache = Callable[..., None]
+PagedAttentionOp = Callable[..., torch.Tensor]
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """Everything a forward pass needs besides the tokens, passed explicitly (no module globals)."""
+
+    metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [num_blocks, block_size, KVH, Dh]
+    reshape_and_cache: ReshapeAndCache
+    paged_attention: PagedAttentionOp
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q: [T, H, Dh], k/v: [T, KVH, Dh] -> [T, H, Dh]; new K/V are stored before attention reads them
+        key_cache, value_cache = self.kv_caches[layer]
+        m = self.metadata
+        self.reshape_and_cache(k, v, key_cache, value_cache, m.slot_mapping)
+        return self.paged_attention(
+            q, key_cache, value_cache, m.block_tables, m.query_start_loc, m.seq_lens, scale,
+            max_query_len=m.max_query_len,
+        )

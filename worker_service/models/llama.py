@@ -1,0 +1,187 @@
+"""Llama (and the families shaped like it) over packed tokens and a paged KV cache.
+
+Tokens of all scheduled sequences are packed flat (``[T]``, no padding); attention finds each
+sequence's context through the block table in :class:`ForwardContext`. Q/K/V and gate/up
+projections are fused into one matmul each (fewer, larger GEMMs); the Hugging Face weights are
+concatenated at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.models.layers import (
+    ForwardContext,
+    RMSNorm,
+    RotaryEmbedding,
+    UnsupportedModelError,
+    apply_rope,
+    rope_inv_freq,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2
+    inv_freq: torch.Tensor  # [head_dim // 2] fp32
+
+    @classmethod
+    def from_hf(cls, c: Any, *, qkv_bias: bool | None = None) -> DecoderConfig:
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {c.hidden_act!r} is not supported (silu is)")
+        if getattr(c, "mlp_bias", False):
+            raise UnsupportedModelError("mlp_bias=True is not supported")
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(c, "attention_bias", False)) if qkv_bias is None else qkv_bias,
+            inv_freq=rope_inv_freq(c, head_dim),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T = x.shape[0]  # x: [T, D]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KVH, Dh]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
+        out = ctx.attend(self.layer, q, k, v, self.scale)  # [T, H, Dh]
+        return self.o(out.reshape(T, self.q_size))  # [T, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, ctx)  # x: [T, D]
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama: RMSNorm, RoPE, GQA, SwiGLU; tied or untied embeddings."""
+
+    def __init__(self, cfg: DecoderConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.inv_freq, max_positions)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def config_from_hf(cls, hf_config: Any) -> DecoderConfig:
+        return DecoderConfig.from_hf(hf_config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, D] (before the LM head)
+        x = self.embed(input_ids)  # [T, D]
+        cos, sin = self.rope(positions, x.dtype)  # [T, 1, Dh]
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, D] (only the rows that sample) -> logits [N, V] in fp32
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face ``LlamaForCausalLM``-style state dict in, fusing q/k/v and gate/up.
+
+        Every parameter must be filled and every checkpoint tensor used (a leftover one means a
+        variant this file does not implement), else :class:`UnsupportedModelError`.
+        """
+        state = dict(state)
+        missing: list[str] = []
+
+        def take(name: str) -> torch.Tensor | None:
+            t = state.pop(name, None)
+            if t is None:
+                missing.append(name)
+            return t
+
+        def put(param: torch.Tensor, *names: str) -> None:
+            parts = [take(n) for n in names]
+            if any(p is None for p in parts):
+                return
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if value.shape != param.shape:
+                raise UnsupportedModelError(f"{names[0]}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(value)
+
+        put(self.embed.weight, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            put(layer.input_norm.weight, p + "input_layernorm.weight")
+            put(layer.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+            qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            put(layer.attn.qkv.weight, *qkv)
+            if layer.attn.qkv.bias is not None:
+                put(layer.attn.qkv.bias, *[n.replace(".weight", ".bias") for n in qkv])
+            put(layer.attn.o.weight, p + "self_attn.o_proj.weight")
+            put(layer.mlp.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(layer.mlp.down.weight, p + "mlp.down_proj.weight")
+        put(self.norm.weight, "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head.weight, "lm_head.weight")
+        else:
+            state.pop("lm_head.weight", None)  # tied: the same tensor as the embedding
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if missing or state:
+            raise UnsupportedModelError(
+                f"checkpoint does not match {type(self).__name__}: "
+                f"missing {missing[:5]}, unexpected {sorted(state)[:5]}"
+            )

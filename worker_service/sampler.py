@@ -1,0 +1,173 @@
+"""Turn one step's logits into tokens: penalties, temperature, top-k / top-p / min-p, top-n logprobs.
+
+Randomness is a pure function of (request seed, output position, token id) — DESIGN.md decision 6.
+Sampling is Gumbel-max: ``argmax(logits / T + g)`` with ``g = -log(-log(u))`` is an exact draw from
+``softmax(logits / T)`` (restricted to the tokens the filters keep), and ``u`` comes from a
+counter-based hash (splitmix64 of seed, position and token id) computed with torch integer ops over
+the whole vocabulary at once. No generator state is carried between steps, so a request samples the
+same tokens alone, inside any batch, and after a replay on another worker.
+
+Order of processing (Hugging Face's): penalties on the raw logits, then temperature, then top-k,
+top-p (on the top-k renormalised distribution), then min-p. Greedy rows (``temperature == 0``) take
+an exact ``argmax`` of the penalised logits. Logprobs are those of the raw model distribution
+(``log_softmax`` of the logits before any processing), as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic; multiplication wraps)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (``>>`` on int64 is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1), ``[N, V]`` fp32, a pure function of ``(seeds[n], positions[n], v)``.
+
+    seeds, positions: ``[N]`` int64. 24 random bits per value (exactly representable in fp32).
+    """
+    row_key = _mix64(_mix64(seeds.to(torch.int64) * _GOLDEN + 1) ^ (positions.to(torch.int64) + 1))  # [N]
+    counters = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64) * _GOLDEN  # [V]
+    bits = _shr(_mix64(row_key[:, None] + counters[None, :]), 40)  # [N, V], 24 bits
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Standard Gumbel noise ``[N, V]`` fp32, deterministic in (seed, position, token id)."""
+    return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab_size)))
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling settings of one step (row n = the n-th request that samples)."""
+
+    temperature: torch.Tensor  # [N] fp32, 0 = greedy
+    seeds: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64: output index of the token being sampled
+    top_k: torch.Tensor | None = None  # [N] int64, vocab_size = off; None when no row filters
+    top_p: torch.Tensor | None = None  # [N] fp32, 1 = off
+    min_p: torch.Tensor | None = None  # [N] fp32, 0 = off
+    repetition_penalty: torch.Tensor | None = None  # [N] fp32, 1 = off (prompt + output tokens)
+    presence_penalty: torch.Tensor | None = None  # [N] fp32 (output tokens)
+    frequency_penalty: torch.Tensor | None = None  # [N] fp32 (output tokens)
+    prompt_token_ids: torch.Tensor | None = None  # [N, Lp] int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None = None  # [N, Lo] int64, padded with vocab_size
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): -inf (min_tokens)
+    max_num_logprobs: int | None = None  # top-n logprobs to return for every row; None = none
+
+    @property
+    def all_greedy(self) -> bool:
+        return not bool((self.temperature > 0).any())
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N] fp32: logprob of the sampled token
+    top_token_ids: torch.Tensor | None = None  # [N, n] int64, best first
+    top_logprobs: torch.Tensor | None = None  # [N, n] fp32
+
+
+class Sampler:
+    """Stateless: ``sampler(logits, metadata) -> SamplerOutput``; logits ``[N, V]`` fp32."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        out = SamplerOutput(token_ids=torch.empty(0))
+        if meta.max_num_logprobs is not None:
+            raw = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+            n = meta.max_num_logprobs
+            if n > 0:
+                out.top_logprobs, out.top_token_ids = raw.topk(n, dim=-1)
+        logits = apply_penalties(logits, meta)
+        if meta.banned_tokens is not None:
+            logits = logits.index_put(meta.banned_tokens, logits.new_tensor(float("-inf")))
+        token_ids = logits.argmax(dim=-1)  # [N]; exact greedy (first index on ties, as torch/HF)
+        if not meta.all_greedy:
+            token_ids = _sample_random_rows(logits, meta, token_ids)
+        out.token_ids = token_ids
+        if meta.max_num_logprobs is not None:
+            out.logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
+        return out
+
+
+def _sample_random_rows(logits: torch.Tensor, meta: SamplingMetadata, token_ids: torch.Tensor) -> torch.Tensor:
+    rows = (meta.temperature > 0).nonzero().squeeze(1)  # [R]
+    scores = logits[rows] / meta.temperature[rows, None]  # [R, V]
+    top_k = None if meta.top_k is None else meta.top_k[rows]
+    top_p = None if meta.top_p is None else meta.top_p[rows]
+    min_p = None if meta.min_p is None else meta.min_p[rows]
+    scores = apply_filters(scores, top_k, top_p, min_p)
+    noise = gumbel_noise(meta.seeds[rows], meta.positions[rows], scores.shape[-1])
+    token_ids = token_ids.clone()
+    token_ids[rows] = (scores + noise).argmax(dim=-1)
+    return token_ids
+
+
+def apply_filters(
+    scores: torch.Tensor,  # [R, V] temperature-scaled logits
+    top_k: torch.Tensor | None,  # [R] int64 (>= V = off)
+    top_p: torch.Tensor | None,  # [R] fp32 (1 = off)
+    min_p: torch.Tensor | None,  # [R] fp32 (0 = off)
+) -> torch.Tensor:
+    """Set to -inf every token top-k, then top-p, then min-p removes (at least one token stays)."""
+    vocab = scores.shape[-1]
+    use_k = top_k is not None and bool((top_k < vocab).any())
+    use_p = top_p is not None and bool((top_p < 1.0).any())
+    if use_k or use_p:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [R, V]
+        remove = torch.zeros_like(sorted_scores, dtype=torch.bool)
+        if use_k:
+            ranks = torch.arange(vocab, device=scores.device)
+            remove |= ranks[None, :] >= top_k.clamp(min=1)[:, None]
+        if use_p:
+            probs = sorted_scores.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # exclusive cumsum: the first token always stays
+            remove |= mass_before >= top_p[:, None]
+        remove_unsorted = torch.empty_like(remove).scatter_(1, order, remove)
+        scores = scores.masked_fill(remove_unsorted, float("-inf"))
+    if min_p is not None and bool((min_p > 0).any()):
+        probs = scores.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        scores = scores.masked_fill(probs < threshold, float("-inf"))
+    return scores
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (HF: over prompt + output), presence and frequency (OpenAI: over output) penalties."""
+    rep, pres, freq = meta.repetition_penalty, meta.presence_penalty, meta.frequency_penalty
+    if rep is None and pres is None and freq is None:
+        return logits
+    n, vocab = logits.shape
+    logits = logits.clone()
+    out_counts = torch.zeros(n, vocab + 1, device=logits.device, dtype=torch.float32)
+    if meta.output_token_ids is not None and meta.output_token_ids.numel():
+        ids = meta.output_token_ids
+        out_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    out_counts = out_counts[:, :vocab]  # drop the padding column
+    if rep is not None:
+        seen = torch.zeros(n, vocab + 1, device=logits.device, dtype=torch.bool)
+        if meta.prompt_token_ids is not None and meta.prompt_token_ids.numel():
+            seen.scatter_(1, meta.prompt_token_ids, True)
+        seen = seen[:, :vocab] | (out_counts > 0)
+        penalised = torch.where(logits < 0, logits * rep[:, None], logits / rep[:, None])
+        logits = torch.where(seen, penalised, logits)
+    if freq is not None:
+        logits -= freq[:, None] * out_counts
+    if pres is not None:
+        logits -= pres[:, None] * (out_counts > 0).float()
+    return logits
