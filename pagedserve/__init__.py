@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {
+    "AsyncClient": "pagedserve.aio_client",
+    "Client": "pagedserve.client",
     "LLM": "pagedserve.llm",
     "RequestOutput": "pagedserve.llm",
     "SamplingParams": "scheduler_service.core.sampling_params",
@@ -21,6 +23,8 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
+    from pagedserve.aio_client import AsyncClient
+    from pagedserve.client import Client
     from pagedserve.llm import LLM, RequestOutput
     from scheduler_service.core.sampling_params import SamplingParams
 
