@@ -15,6 +15,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from redis.exceptions import RedisError
+
 from gateway_service import convert
 from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway_service.messages import GenerateChunk, GenerateInput, Usage
@@ -22,7 +24,7 @@ from gateway_service.model_limits import ModelLimits, ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.tokenizer import PromptTokenizer
-from pagedserve.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from pagedserve.errors import AbortedError, InvalidArgumentError, NotFoundError, UnavailableError
 from pagedserve.redis_keys import RedisKeys
 from scheduler_service.core.outputs import FinishReason
 from scheduler_service.core.sampling_params import SEED_RANGE, SamplingParams
@@ -110,24 +112,31 @@ class GenerationService:
         sub = self._fanout.subscribe(self._keys.output(request_id))
         admitted = finished = False
         try:
-            if inp.resume_from_index is not None:
-                if not await self._queue.exists(request_id):
-                    raise NotFoundError(f"request {request_id!r} is unknown or its outputs expired")
-                await self._fanout.wake()
-            else:
-                now = time.time()
-                record = convert.engine_request_to_record(
-                    request_id, prompt_ids, params, arrival_time=now,
-                    deadline=now + timeout_s if timeout_s else 0.0, priority=inp.priority, cache_salt=inp.cache_salt)
-                await self._queue.admit(request_id, record, self._fanout.wake_key)
+            try:
+                if inp.resume_from_index is not None:
+                    if not await self._queue.exists(request_id):
+                        raise NotFoundError(f"request {request_id!r} is unknown or its outputs expired")
+                    await self._fanout.wake()
+                else:
+                    now = time.time()
+                    record = convert.engine_request_to_record(
+                        request_id, prompt_ids, params, arrival_time=now, deadline=now + timeout_s if timeout_s else 0.0,
+                        priority=inp.priority, cache_salt=inp.cache_salt)
+                    await self._queue.admit(request_id, record, self._fanout.wake_key)
+            except RedisError as exc:
+                raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             admitted = True
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
-            async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
-                if chunk.finish_reason is not None:
-                    finished = True
-                yield chunk
+            try:
+                async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
+                    if chunk.finish_reason is not None:
+                        finished = True
+                    yield chunk
+            except UnavailableError:
+                finished = True  # Redis away: the request lives on; the client resumes it by id
+                raise
         finally:
             self._fanout.unsubscribe(sub)
             if admitted and not finished:
@@ -152,7 +161,7 @@ class GenerationService:
                 if record.error_message:
                     if record.error_field:
                         raise InvalidArgumentError(record.error_field, record.error_message)
-                    raise UnavailableError(f"request {request_id} failed: {record.error_message}")
+                    raise AbortedError(f"request {request_id} failed: {record.error_message}")
                 num_cached = max(num_cached, record.num_cached_tokens)
                 for j, token in enumerate(record.token_ids):
                     index = record.first_index + j

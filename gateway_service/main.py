@@ -53,7 +53,8 @@ class GatewayApp:
             self._hf_tokenizer = await asyncio.to_thread(load_hf_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
         self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
-        self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms)
+        self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,
+                                    outage_s=s.redis_outage_s)
         queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
                                          limits=self._limits, queue=queue, fanout=self._fanout)
@@ -100,6 +101,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
              help="output streams expire this many seconds after their last entry (resume window)")
     add_flag(parser, env, "registry-refresh-s", type=float, default=2.0, help="worker registry re-read period")
     add_flag(parser, env, "gateway-id", default="", help="names this gateway's wake stream (default: random)")
+    add_flag(parser, env, "redis-outage-s", type=float, default=10.0,
+             help="live streams fail with UNAVAILABLE (the SDK resumes them) after this long without Redis")
     return parser
 
 
@@ -108,7 +111,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(
         model=args.model, host=args.host, port=args.port, redis_url=args.redis_url, key_prefix=args.key_prefix,
         max_queued_requests=args.max_queued_requests, output_ttl_s=args.output_ttl_s,
-        registry_refresh_s=args.registry_refresh_s, drain_grace_s=args.drain_grace_s, **extra)
+        registry_refresh_s=args.registry_refresh_s, drain_grace_s=args.drain_grace_s,
+        redis_outage_s=args.redis_outage_s, **extra)
 
 
 async def run(settings: GatewaySettings) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from pagedserve.redis_keys import RedisKeys
+from pagedserve.serving import cancel_requested
 from pagedserve.registry import WorkerRecord, list_workers
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ModelLimitsView:
         self._task = asyncio.create_task(self._run(), name="model-limits")
 
     async def _run(self) -> None:
-        while True:
+        while not cancel_requested():
             try:
                 await self.refresh()
             except RedisError as exc:

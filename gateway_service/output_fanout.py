@@ -5,6 +5,11 @@ A blocking XREAD only sees the keys it was called with, so adding a request wake
 appending to the gateway's own small wake stream (``{prefix}gw:{gateway_id}:wake``), which every
 XREAD includes from the last wake entry it saw: a wake written before the XREAD reaches Redis is
 returned at once, so a key added while a call is being sent is never left unread.
+
+Redis away (a restart): the loop retries, and each subscription continues from the last entry it
+received once Redis answers again, so a short outage is only a pause for clients. A subscription
+that has waited through ``outage_s`` seconds of failed reads fails with UNAVAILABLE (the SDK then
+resumes the stream by request id), so no client waits on a dead Redis forever.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import logging
 
 from redis.exceptions import RedisError
 
+from pagedserve.errors import UnavailableError
 from pagedserve.redis_keys import RedisKeys
+from pagedserve.serving import cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +56,10 @@ class Subscription:
 
 class OutputFanout:
     def __init__(self, redis, keys: RedisKeys, gateway_id: str, *, block_ms: int = 1000,
-                 count: int = 256) -> None:
+                 count: int = 256, outage_s: float = 10.0) -> None:
         self._redis = redis
         self._block_ms = block_ms
+        self._outage_s = outage_s  # failed reads for this long fail the subscriptions waiting
         self._count = count  # entries per stream per XREAD
         self.wake_key = keys.gateway_wake(gateway_id)
         self._subs: dict[bytes, Subscription] = {}
@@ -88,16 +96,29 @@ class OutputFanout:
     async def _run(self) -> None:
         wake = self.wake_key.encode()
         wake_last: str | bytes = "0-0"
-        while True:
+        loop = asyncio.get_running_loop()
+        down_since: float | None = None
+        while not cancel_requested():
             streams: dict[bytes, str | bytes] = {wake: wake_last}
             for key, sub in self._subs.items():
                 streams[key] = sub.last_id
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
             except RedisError as exc:
-                log.warning("reading output streams failed: %s", exc)
-                await asyncio.sleep(0.5)
+                now = loop.time()
+                if down_since is None:
+                    down_since = now
+                    log.warning("reading output streams failed: %s; retrying", exc)
+                if now - down_since >= self._outage_s:
+                    self._fail_all(UnavailableError(
+                        f"Redis unreachable for {now - down_since:.0f}s ({type(exc).__name__}); resume later"))
+                    down_since = now
+                await asyncio.sleep(0.2)
                 continue
+            if down_since is not None:
+                log.info("reading output streams again after %.1fs", loop.time() - down_since)
+                down_since = None
+                await self._fail_vanished()
             for key, entries in reply or ():
                 if key == wake:
                     wake_last = entries[-1][0]
@@ -107,3 +128,26 @@ class OutputFanout:
                     continue  # a request that ended meanwhile
                 sub.last_id = entries[-1][0]
                 sub.queue.put_nowait([fields.get(b"data", b"") for _id, fields in entries])
+
+    async def _fail_vanished(self) -> None:
+        """After an outage: a request whose output stream is gone (Redis came back without its last
+        writes, or without its data) fails with UNAVAILABLE instead of waiting forever."""
+        subs = list(self._subs.values())
+        if not subs:
+            return
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for sub in subs:
+                pipe.exists(sub.key)
+            exists = await pipe.execute()
+        except RedisError:
+            return  # down again: checked after the next recovery
+        for sub, found in zip(subs, exists):
+            if not found:
+                log.warning("%s vanished in the Redis restart", sub.key)
+                sub.queue.put_nowait(UnavailableError("the request was lost in a Redis restart; retry it"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every current subscription (their streams end with ``error``)."""
+        for sub in list(self._subs.values()):
+            sub.queue.put_nowait(error)

@@ -22,6 +22,7 @@ class GatewaySettings:
     output_ttl_s: int = 600  # output streams live this long after their last entry (resume window)
     registry_refresh_s: float = 2.0
     read_block_ms: int = 1000  # longest blocking XREAD of the fan-out loop
+    redis_outage_s: float = 10.0  # streams fail with UNAVAILABLE after this long without Redis
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the wake stream
     drain_grace_s: float = 30.0
 
@@ -33,5 +34,7 @@ class GatewaySettings:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
+        if self.redis_outage_s <= 0:
+            raise ValueError(f"redis_outage_s: must be positive, got {self.redis_outage_s}")
         if self.output_ttl_s < 1 or self.registry_refresh_s <= 0 or self.read_block_ms < 1:
             raise ValueError("output_ttl_s, registry_refresh_s and read_block_ms must be positive")

@@ -9,21 +9,25 @@
 Sampling arguments are SamplingParams' field names (``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``) or a whole
-``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types. A call
-that fails with UNAVAILABLE before its first token is retried (same request id; if the first try
-did reach Redis, the retry resumes it instead of running it twice).
+``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types.
+
+Give several gateways (``AsyncClient("g1:50051,g2:50051")``): a stream broken by a gateway
+failure is resumed on the next one by request id from the next output index, so no token is lost
+or repeated (:mod:`pagedserve.failover`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 
 import grpc
 
 from pagedserve import convert
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
+from pagedserve.failover import Failover, is_transient, parse_addresses
 from pagedserve.pb import generation_pb2, generation_pb2_grpc
 from pagedserve.serving import CHANNEL_OPTIONS
 
@@ -34,26 +38,26 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
-DEFAULT_RETRIES = 3
-RETRY_BACKOFF_S = 0.2  # doubled after each retry
+DEFAULT_RETRIES = 5  # consecutive tries without progress (backoff 0.2 s doubling, at most 2 s)
 
 
 class AsyncStream:
     """An async iterator of :class:`Chunk`; ``aclose()`` (or leaving ``async with``) cancels the
-    call, which aborts the request on the server."""
+    call, which aborts the request on the server. A call broken by a gateway failure is resumed on
+    the next gateway (:mod:`pagedserve.failover`): every output index arrives exactly once."""
 
-    def __init__(self, stub, request, *, timeout: float | None, retries: int) -> None:
-        self._stub = stub
+    def __init__(self, stubs, request, *, timeout: float | None, retries: int) -> None:
+        self._stubs = stubs  # one per gateway address, in the client's order
         self._request = request
+        self._failover = Failover(request, len(stubs), retries=retries, timeout=timeout)
         self._timeout = timeout
-        self._retries = retries
         self._call = None
-        self._received = False
         self._done = False
         self.request_id = request.request_id
 
     def _start(self) -> None:
-        self._call = self._stub.Generate(self._request, timeout=self._timeout)
+        timeout = self._failover.remaining() if self._timeout is not None else None
+        self._call = self._stubs[self._failover.address_index].Generate(self._request, timeout=timeout)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -63,30 +67,22 @@ class AsyncStream:
             raise StopAsyncIteration
         if self._call is None:
             self._start()
-        attempt, backoff = 0, RETRY_BACKOFF_S
         while True:
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                if not self._received and code == grpc.StatusCode.UNAVAILABLE and attempt < self._retries:
-                    attempt += 1
-                    await asyncio.sleep(backoff)
-                    backoff *= 2
-                    self._start()
-                    continue
-                if code == grpc.StatusCode.ALREADY_EXISTS and attempt and not self._received:
-                    # An earlier try reached Redis before failing: follow that request instead.
-                    self._request.resume_from_index = 0
-                    self._start()
-                    continue
-                self._done = True
-                raise from_rpc_error(exc) from None
+                delay = self._failover.next_try(exc.code(), exc.details() or "")
+                if delay is None:
+                    self._done = True
+                    raise from_rpc_error(exc) from None
+                await asyncio.sleep(delay)
+                self._start()
+                continue
             if msg is grpc.aio.EOF:
                 self._done = True
                 raise StopAsyncIteration
-            self._received = True
             chunk = convert.chunk_from_pb(msg)
+            self._failover.on_chunk(chunk.first_index, len(chunk.token_ids))
             if chunk.finish_reason is not None:
                 self._done = True
             return chunk
@@ -104,23 +100,26 @@ class AsyncStream:
 
 
 class AsyncClient:
-    """One channel to a gateway; safe to share between tasks. ``timeout`` is the default deadline
-    of each call in seconds (None: none)."""
+    """Channels to one or more gateways (``"h1:p1,h2:p2"`` or a list; streams fail over between
+    them in order); safe to share between tasks. ``timeout`` is the default deadline of each call
+    in seconds, all retries included (None: none)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  retries: int = DEFAULT_RETRIES) -> None:
-        self.address = address
+        self.addresses = parse_addresses(address)
+        self.address = self.addresses[0]
         self.timeout = timeout
         self.retries = retries
-        self._channel = grpc.aio.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
+        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
 
     def stream(self, prompt=None, *, messages=None, request_id: str | None = None,
                timeout: float | None = None, **kwargs) -> AsyncStream:
-        """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat."""
+        """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat. The request
+        id is chosen here (unless given), so the stream can be resumed on another gateway."""
         request = convert.build_generate_request(
             prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
-        return AsyncStream(self._stub, request, timeout=timeout if timeout is not None else self.timeout,
+        return AsyncStream(self._stubs, request, timeout=timeout if timeout is not None else self.timeout,
                            retries=self.retries)
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
@@ -133,23 +132,25 @@ class AsyncClient:
         """Continue a conversation (rendered with the model's chat template)."""
         return await self.generate(messages=messages, **kwargs)
 
+    async def _unary(self, method: str, request):
+        """Call ``method`` on the first gateway that answers (each address tried once)."""
+        for i, stub in enumerate(self._stubs):
+            try:
+                return await getattr(stub, method)(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                if i + 1 == len(self._stubs) or not is_transient(exc.code(), exc.details() or ""):
+                    raise from_rpc_error(exc) from None
+
     async def tokenize(self, text: str | None = None, *, messages=None) -> list[int]:
-        try:
-            reply = await self._stub.Tokenize(convert.build_tokenize_request(text, messages=messages),
-                                              timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+        reply = await self._unary("Tokenize", convert.build_tokenize_request(text, messages=messages))
         return list(reply.token_ids)
 
     async def model_info(self) -> ModelInfo:
-        try:
-            reply = await self._stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
-        return convert.model_info_from_pb(reply)
+        return convert.model_info_from_pb(await self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -5,6 +5,7 @@
     pagedserve generate "prompt" [--stream]          one generation through a gateway
     pagedserve chat ["message"]                      a chat (interactive without a message)
     pagedserve health host:port [--service NAME]     exit 0 iff the server reports SERVING
+    pagedserve stats host:port                       a scheduler's workers, block pools and counters
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _service_main(name: str):
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, env) -> None:
-    add_flag(parser, env, "address", default="127.0.0.1:50051", help="gateway address host:port")
+    add_flag(parser, env, "address", default="127.0.0.1:50051",
+             help="gateway address host:port; several, comma-separated, to fail over between them")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -91,7 +93,20 @@ def build_parser(env) -> argparse.ArgumentParser:
     health.add_argument("address", help="host:port of any pagedserve service")
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     health.add_argument("--timeout", type=float, default=3.0)
+    stats = sub.add_parser("stats", help="print a scheduler's stats (workers, KV block pools, failover counters)")
+    stats.add_argument("address", help="host:port of a scheduler's admin server (default port 50052)")
+    stats.add_argument("--timeout", type=float, default=5.0)
     return parser
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from pagedserve.admin import scheduler_stats
+
+    print(json.dumps(dataclasses.asdict(scheduler_stats(args.address, timeout=args.timeout)), indent=2))
+    return 0
 
 
 def _run_health(args: argparse.Namespace) -> int:
@@ -183,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_generate(args)
         if args.command == "health":
             return _run_health(args)
+        if args.command == "stats":
+            return _run_stats(args)
         return _run_chat(args)
     except PagedServeError as exc:
         print(f"pagedserve: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -6,39 +6,43 @@
             for chunk in stream:
                 print(chunk.text, end="", flush=True)
 
-Arguments, errors and retries as in :mod:`pagedserve.aio_client`.
+Arguments, errors, retries and gateway failover as in :mod:`pagedserve.aio_client`
+(``Client("g1:50051,g2:50051")``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 
 import grpc
 
 from pagedserve import convert
-from pagedserve.aio_client import CLIENT_CHANNEL_OPTIONS, DEFAULT_ADDRESS, DEFAULT_RETRIES, RETRY_BACKOFF_S
+from pagedserve.aio_client import CLIENT_CHANNEL_OPTIONS, DEFAULT_ADDRESS, DEFAULT_RETRIES
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
+from pagedserve.failover import Failover, is_transient, parse_addresses
 from pagedserve.pb import generation_pb2, generation_pb2_grpc
 
 
 class Stream:
     """An iterator of :class:`Chunk`; ``close()`` (or leaving ``with``) cancels the call, which
-    aborts the request on the server."""
+    aborts the request on the server. A call broken by a gateway failure is resumed on the next
+    gateway (:mod:`pagedserve.failover`): every output index arrives exactly once."""
 
-    def __init__(self, stub, request, *, timeout: float | None, retries: int) -> None:
-        self._stub = stub
+    def __init__(self, stubs, request, *, timeout: float | None, retries: int) -> None:
+        self._stubs = stubs  # one per gateway address, in the client's order
         self._request = request
+        self._failover = Failover(request, len(stubs), retries=retries, timeout=timeout)
         self._timeout = timeout
-        self._retries = retries
         self._call = None
-        self._received = False
         self._done = False
         self.request_id = request.request_id
 
     def _start(self) -> None:
-        self._call = self._stub.Generate(self._request, timeout=self._timeout)
+        timeout = self._failover.remaining() if self._timeout is not None else None
+        self._call = self._stubs[self._failover.address_index].Generate(self._request, timeout=timeout)
 
     def __iter__(self) -> Stream:
         return self
@@ -48,7 +52,6 @@ class Stream:
             raise StopIteration
         if self._call is None:
             self._start()
-        attempt, backoff = 0, RETRY_BACKOFF_S
         while True:
             try:
                 msg = next(self._call)
@@ -56,21 +59,15 @@ class Stream:
                 self._done = True
                 raise
             except grpc.RpcError as exc:
-                code = exc.code()
-                if not self._received and code == grpc.StatusCode.UNAVAILABLE and attempt < self._retries:
-                    attempt += 1
-                    time.sleep(backoff)
-                    backoff *= 2
-                    self._start()
-                    continue
-                if code == grpc.StatusCode.ALREADY_EXISTS and attempt and not self._received:
-                    self._request.resume_from_index = 0  # an earlier try got through: follow it
-                    self._start()
-                    continue
-                self._done = True
-                raise from_rpc_error(exc) from None
-            self._received = True
+                delay = self._failover.next_try(exc.code(), exc.details() or "")
+                if delay is None:
+                    self._done = True
+                    raise from_rpc_error(exc) from None
+                time.sleep(delay)
+                self._start()
+                continue
             chunk = convert.chunk_from_pb(msg)
+            self._failover.on_chunk(chunk.first_index, len(chunk.token_ids))
             if chunk.finish_reason is not None:
                 self._done = True
             return chunk
@@ -88,23 +85,26 @@ class Stream:
 
 
 class Client:
-    """One channel to a gateway; safe to share between threads. ``timeout`` is the default
-    deadline of each call in seconds (None: none)."""
+    """Channels to one or more gateways (``"h1:p1,h2:p2"`` or a list; streams fail over between
+    them in order); safe to share between threads. ``timeout`` is the default deadline of each
+    call in seconds, all retries included (None: none)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float | None = None,
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  retries: int = DEFAULT_RETRIES) -> None:
-        self.address = address
+        self.addresses = parse_addresses(address)
+        self.address = self.addresses[0]
         self.timeout = timeout
         self.retries = retries
-        self._channel = grpc.insecure_channel(address, options=CLIENT_CHANNEL_OPTIONS)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._channels = [grpc.insecure_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
+        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
 
     def stream(self, prompt=None, *, messages=None, request_id: str | None = None,
                timeout: float | None = None, **kwargs) -> Stream:
-        """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat."""
+        """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat. The request
+        id is chosen here (unless given), so the stream can be resumed on another gateway."""
         request = convert.build_generate_request(
             prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
-        return Stream(self._stub, request, timeout=timeout if timeout is not None else self.timeout,
+        return Stream(self._stubs, request, timeout=timeout if timeout is not None else self.timeout,
                       retries=self.retries)
 
     def generate(self, prompt=None, **kwargs) -> Completion:
@@ -117,22 +117,24 @@ class Client:
         """Continue a conversation (rendered with the model's chat template)."""
         return self.generate(messages=messages, **kwargs)
 
+    def _unary(self, method: str, request):
+        """Call ``method`` on the first gateway that answers (each address tried once)."""
+        for i, stub in enumerate(self._stubs):
+            try:
+                return getattr(stub, method)(request, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                if i + 1 == len(self._stubs) or not is_transient(exc.code(), exc.details() or ""):
+                    raise from_rpc_error(exc) from None
+
     def tokenize(self, text: str | None = None, *, messages=None) -> list[int]:
-        try:
-            reply = self._stub.Tokenize(convert.build_tokenize_request(text, messages=messages), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return list(reply.token_ids)
+        return list(self._unary("Tokenize", convert.build_tokenize_request(text, messages=messages)).token_ids)
 
     def model_info(self) -> ModelInfo:
-        try:
-            reply = self._stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        return convert.model_info_from_pb(reply)
+        return convert.model_info_from_pb(self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self

@@ -62,6 +62,13 @@ class AlreadyExistsError(PagedServeError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+class AbortedError(PagedServeError):
+    """The service gave the request up (its scheduler failed it, or it was taken over from dead
+    schedulers more often than the retry limit allows). Retrying it unchanged is unlikely to help."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class FailedPreconditionError(PagedServeError):
     """The call does not fit the server's state (e.g. a worker already driven by a scheduler)."""
 
@@ -94,7 +101,7 @@ class InternalError(PagedServeError):
 
 _BY_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
     cls.code: cls
-    for cls in (ResourceExhaustedError, UnavailableError, NotFoundError, AlreadyExistsError,
+    for cls in (ResourceExhaustedError, UnavailableError, NotFoundError, AlreadyExistsError, AbortedError,
                 FailedPreconditionError, DeadlineExceededError, CancelledError, UnauthenticatedError,
                 InternalError)
 }

@@ -42,6 +42,25 @@ class RedisKeys:
     def worker_pattern(self) -> str:
         return f"{self.prefix}workers:*"
 
+    def lease(self, worker_id: str) -> str:
+        """String holding the consumer name of the one scheduler that drives this worker (SET NX PX,
+        renewed by its holder; expires when the holder stops renewing)."""
+        return f"{self.prefix}lease:{worker_id}"
+
+    def scheduler(self, consumer: str) -> str:
+        """Hash describing one live scheduler (expires unless its heartbeat refreshes it)."""
+        return f"{self.prefix}schedulers:{consumer}"
+
+    @property
+    def scheduler_pattern(self) -> str:
+        return f"{self.prefix}schedulers:*"
+
+    @property
+    def dead_letters(self) -> str:
+        """Capped stream of requests given up after too many attempts: fields "request_id", "data"
+        (the EngineRequest), "deliveries" and "reason"."""
+        return f"{self.prefix}dead"
+
     def gateway_wake(self, gateway_id: str) -> str:
         """A gateway's own small stream, written to interrupt its blocking XREAD when it adds a key."""
         return f"{self.prefix}gw:{gateway_id}:wake"

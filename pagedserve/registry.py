@@ -1,10 +1,13 @@
-"""The worker registry in Redis: ``{prefix}workers:{worker_id}`` hashes with a heartbeat TTL.
+"""The registries in Redis: ``{prefix}workers:{worker_id}`` and ``{prefix}schedulers:{consumer}``
+hashes, each kept alive by its owner's heartbeat (a TTL refreshed every ``ttl / 3`` seconds).
 
-A worker started with a Redis URL registers itself here and refreshes its entry every
-``ttl / 3`` seconds; the entry expires when the worker dies. Schedulers started without
-``--workers`` find their workers here, and gateways learn the served model's name and limits here
-(the smallest ``max_model_len`` over live workers of the model), so a gateway needs no flag that
-could disagree with the workers.
+A worker started with a Redis URL registers itself here; the entry expires when the worker dies
+(or stops beating). Schedulers started without ``--workers`` find their workers here, and
+gateways learn the served model's name and limits here (the smallest ``max_model_len`` over live
+workers of the model), so a gateway needs no flag that could disagree with the workers.
+
+Schedulers register too, so each can compute its fair share of the workers (live workers / live
+schedulers) before claiming one with a lease (``scheduler_service.leases``).
 """
 
 from __future__ import annotations
@@ -54,9 +57,28 @@ def _s(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-async def list_workers(redis, keys: RedisKeys) -> list[WorkerRecord]:
-    """Every live worker's record, in key order (records that fail to parse are skipped)."""
-    names = sorted([k async for k in redis.scan_iter(match=keys.worker_pattern, count=200)])
+@dataclass(frozen=True, slots=True)
+class SchedulerRecord:
+    """What a scheduler publishes about itself."""
+
+    consumer: str  # its name in the request stream's consumer group
+    address: str  # its admin (stats / health) server
+    num_workers: int = 0  # workers it drives
+    num_stranded: int = 0  # requests it holds that no worker of its own can take (it has none)
+
+    def to_hash(self) -> dict[str, str]:
+        return {"consumer": self.consumer, "address": self.address, "num_workers": str(self.num_workers),
+                "num_stranded": str(self.num_stranded)}
+
+    @classmethod
+    def from_hash(cls, h: dict) -> SchedulerRecord:
+        h = {_s(k): _s(v) for k, v in h.items()}
+        return cls(consumer=h["consumer"], address=h["address"], num_workers=int(h.get("num_workers", "0")),
+                   num_stranded=int(h.get("num_stranded", "0")))
+
+
+async def _list_hashes(redis, pattern: str, parse) -> list:
+    names = sorted([k async for k in redis.scan_iter(match=pattern, count=200)])
     if not names:
         return []
     pipe = redis.pipeline(transaction=False)
@@ -67,21 +89,44 @@ async def list_workers(redis, keys: RedisKeys) -> list[WorkerRecord]:
         if not h:
             continue  # expired between SCAN and HGETALL
         try:
-            records.append(WorkerRecord.from_hash(h))
+            records.append(parse(h))
         except (KeyError, ValueError):
-            log.warning("skipping malformed worker record %s", _s(name))
+            log.warning("skipping malformed registry record %s", _s(name))
     return records
 
 
-class Heartbeat:
-    """Keeps one worker's record alive in Redis until stopped (then deletes it)."""
+async def list_workers(redis, keys: RedisKeys) -> list[WorkerRecord]:
+    """Every live worker's record, in key order (records that fail to parse are skipped)."""
+    return await _list_hashes(redis, keys.worker_pattern, WorkerRecord.from_hash)
 
-    def __init__(self, redis, keys: RedisKeys, record: WorkerRecord, ttl_s: float) -> None:
+
+async def list_schedulers(redis, keys: RedisKeys) -> list[SchedulerRecord]:
+    """Every live scheduler's record, in key order."""
+    return await _list_hashes(redis, keys.scheduler_pattern, SchedulerRecord.from_hash)
+
+
+class Heartbeat:
+    """Keeps one registry record alive in Redis until stopped (then deletes it). ``record`` is a
+    WorkerRecord (the default key) or anything with ``to_hash()`` when ``key`` is given; the
+    record may be replaced with :meth:`update`."""
+
+    def __init__(self, redis, keys: RedisKeys, record, ttl_s: float, *, key: str | None = None) -> None:
         self._redis = redis
-        self._key = keys.worker(record.worker_id)
+        self._key = key if key is not None else keys.worker(record.worker_id)
         self._record = record
         self._ttl_ms = max(1000, int(ttl_s * 1000))
         self._task: asyncio.Task | None = None
+
+    async def update(self, record) -> None:
+        """Replace the record; a changed one is written at once (else at the next beat)."""
+        if record == self._record:
+            return
+        self._record = record
+        if self._task is not None:
+            try:
+                await self._beat()
+            except Exception as exc:
+                log.warning("registry update failed: %s", exc)
 
     async def start(self) -> None:
         await self._beat()  # registered before start() returns: callers can rely on it
@@ -94,12 +139,14 @@ class Heartbeat:
         await pipe.execute()
 
     async def _run(self) -> None:
-        while True:
+        from pagedserve.serving import cancel_requested
+
+        while not cancel_requested():
             await asyncio.sleep(self._ttl_ms / 3000)
             try:
                 await self._beat()
             except Exception as exc:  # Redis away: keep trying, the entry expires meanwhile
-                log.warning("worker heartbeat failed: %s", exc)
+                log.warning("registry heartbeat of %s failed: %s", self._key, exc)
 
     async def stop(self) -> None:
         if self._task is not None:

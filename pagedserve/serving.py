@@ -160,6 +160,28 @@ class ServerLifecycle:
         await self.server.stop(max(0.0, deadline - loop.time()))
 
 
+def cancel_requested() -> bool:
+    """True once the current task was asked to cancel (Python 3.11+), even if a library turned the
+    CancelledError into an ordinary error (grpc.aio reports a cancelled call as CANCELLED, a Redis
+    client as a connection error): service loops check it so they end instead of retrying."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(task is not None and cancelling is not None and cancelling())
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them, at most ``timeout_s``: one that swallowed its
+    cancellation is logged and left behind instead of hanging a shutdown."""
+    tasks = [t for t in tasks if t is not None]
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        log.warning("task %s did not stop within %.1fs of its cancellation", task.get_name(), timeout_s)
+
+
 async def wait_for_signal(signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
     """Return the number of the first of ``signals`` received (handlers are removed again)."""
     loop = asyncio.get_running_loop()

@@ -80,13 +80,32 @@ class QueuedRequest:
     deadline: float  # wall-clock seconds; 0 = none
 
 
-def queued_request_from_record(data: bytes) -> QueuedRequest:
-    """Raises InvalidParameterError (bad sampling params) or google.protobuf DecodeError."""
+def queued_request_from_record(data: bytes, output_token_ids=()) -> QueuedRequest:
+    """The request of an EngineRequest record; ``output_token_ids``: outputs it already delivered
+    (a request taken over from a dead scheduler resumes after them). Raises InvalidParameterError
+    (bad sampling params) or google.protobuf DecodeError."""
     msg = queue_pb2.EngineRequest.FromString(data)
     request = Request(
         msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params),
-        arrival_time=msg.arrival_time, priority=msg.priority, cache_salt=msg.cache_salt or None)
+        arrival_time=msg.arrival_time, priority=msg.priority, cache_salt=msg.cache_salt or None,
+        output_token_ids=output_token_ids)
     return QueuedRequest(request, msg.deadline)
+
+
+def delivered_outputs(records: list[bytes]) -> tuple[list[int], bool]:
+    """The output tokens a request's output stream holds, by index (index i is the i-th token;
+    repeats from a duplicated publish are skipped), and whether the stream already ended (a
+    finish reason or an error record)."""
+    tokens: list[int] = []
+    for data in records:
+        msg = queue_pb2.EngineOutput.FromString(data)
+        if msg.error_message or msg.finish_reason != FINISH_REASON_TO_PB[None]:
+            return tokens, True
+        start = msg.first_index
+        if start > len(tokens):
+            break  # a gap cannot happen (records are published in order); stop at it to be safe
+        tokens.extend(msg.token_ids[len(tokens) - start:])
+    return tokens, False
 
 
 def engine_output_to_record(out: EngineCoreOutput) -> bytes:
@@ -111,11 +130,17 @@ def error_record(field: str, message: str) -> bytes:
 def stats_to_pb(stats, *, consumer: str) -> scheduler_pb2.StatsResponse:
     """``stats``: scheduler_service.service.ServiceStats."""
     msg = scheduler_pb2.StatsResponse(
-        num_finished=stats.num_finished, num_aborted=stats.num_aborted, consumer=consumer)
+        num_finished=stats.num_finished, num_aborted=stats.num_aborted, consumer=consumer,
+        num_resumed=stats.num_resumed, num_reclaimed=stats.num_reclaimed,
+        num_dead_lettered=stats.num_dead_lettered, num_taken_over=stats.num_taken_over)
     for w in stats.workers:
         core = w.core
         msg.workers.add(
             address=w.address, model=w.model, connected=w.connected, num_steps=w.num_steps,
+            worker_id=w.worker_id, num_routed=w.num_routed, num_routed_prefix_hit=w.num_routed_prefix_hit,
+            releasing=w.releasing,
+            prefix_cache_hit_tokens=core.prefix_cache_hits if core else 0,
+            prefix_cache_query_tokens=core.prefix_cache_queries if core else 0,
             num_running=core.num_running if core else 0, num_waiting=core.num_waiting if core else 0,
             num_total_blocks=core.num_total_blocks if core else 0,
             num_free_blocks=core.num_free_blocks if core else 0,

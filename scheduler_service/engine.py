@@ -5,6 +5,10 @@
 One :class:`WorkerEngine` per worker: its own Scheduler core (so its own block pool, decision 4)
 and its own Step stream. Aborts and new requests arriving while a step is in flight are applied
 between steps, so an aborted request's blocks are free by the end of the step in flight.
+
+When the worker is lost (its stream breaks, or the service declares it lost), the engine waits
+until every token it produced is published, then hands each unfinished request back to the
+service as prompt + delivered outputs (decision 5), to resume on another worker.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from redis.exceptions import RedisError
+
+from pagedserve.serving import cancel_requested
 from scheduler_service import convert
 from scheduler_service.convert import WorkerDescription
 from scheduler_service.core.errors import InvalidParameterError
@@ -24,35 +31,53 @@ from scheduler_service.worker_client import WorkerClient, WorkerLostError
 
 log = logging.getLogger(__name__)
 
+PUBLISH_RETRY_MAX_S = 2.0  # longest wait between retries of a publish while Redis is away
+
+
+def resumable_copy(request: Request) -> Request:
+    """A fresh request with the same identity, parameters (seed included) and outputs so far, for
+    another worker's core: it recomputes prompt + outputs and continues at the next index."""
+    return Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                   arrival_time=request.arrival_time, priority=request.priority, cache_salt=request.cache_salt,
+                   output_token_ids=request.output_token_ids)
+
 
 class WorkerEngine:
     """Drives one worker.
 
-    Invariant: ``_entry_ids`` holds exactly the requests handed to this engine and not yet
-    published as finished (in the inbox or live in the core); each is XACKed once, when its
-    finishing record is published.
+    Invariants: ``_entry_ids`` holds exactly the requests handed to this engine and not yet
+    published as finished, handed back, or dropped (in the inbox or live in the core); each is
+    XACKed once, when its finishing record is published. Every output token a request of the core
+    holds has been published once the pipeline in flight (``_publishing``) completes.
     """
 
     def __init__(self, client: WorkerClient, description: WorkerDescription, core: Scheduler,
-                 queue: RedisQueue, *, max_queued: int,
-                 on_finished: Callable[[int, int], None]) -> None:
+                 queue: RedisQueue, *, max_queued: int, on_finished: Callable[[int, int], None],
+                 on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None) -> None:
         self.client = client
         self.address = client.address
+        self.worker_id = description.worker_id
         self.description = description
         self.core = core
         self._queue = queue
         self._on_finished = on_finished  # (num finished, num aborted) after each publish
+        self._on_lost = on_lost  # (engine, [(request to resume, entry id)]) once the worker is lost
         self._capacity = core.config.max_num_seqs + max_queued  # requests held at most
         self._inbox: list[Request] = []
         self._entry_ids: dict[str, str] = {}  # request id -> its request-stream entry id
         self._aborts: set[str] = set()
+        self._drops: set[str] = set()  # taken over by another scheduler: forget, publish nothing
+        self._lost_reason: str | None = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._publishing: asyncio.Task | None = None  # the pipeline in flight
         self.accepting = True  # False while the worker reports NOT_SERVING
         self.connected = True  # False once the Step stream failed
+        self.releasing = False  # True while handing the worker to another scheduler (rebalancing)
         self.num_steps = 0
+        self.num_routed = 0  # requests routed here
+        self.num_routed_prefix_hit = 0  # of those, with a prefix-cache hit here
 
     # -- called by the service ------------------------------------------------------------------------
 
@@ -61,9 +86,13 @@ class WorkerEngine:
         return len(self._entry_ids)
 
     @property
+    def takes_requests(self) -> bool:
+        return self.accepting and self.connected and not self.releasing
+
+    @property
     def room(self) -> int:
-        """New requests this engine takes now (0 while its worker drains or is lost)."""
-        if not (self.accepting and self.connected):
+        """New requests this engine takes now (0 while its worker drains, is lost or released)."""
+        if not self.takes_requests:
             return 0
         return max(0, self._capacity - len(self._entry_ids))
 
@@ -72,6 +101,10 @@ class WorkerEngine:
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._entry_ids
+
+    def entries(self) -> dict[str, str]:
+        """Request id -> entry id of every request held (a snapshot)."""
+        return dict(self._entry_ids)
 
     def submit(self, request: Request, entry_id: str) -> None:
         self._entry_ids[request.request_id] = entry_id
@@ -84,22 +117,41 @@ class WorkerEngine:
             self._aborts.add(request_id)
             self._wake.set()
 
+    def drop(self, request_id: str, entry_id: str) -> None:
+        """Forget a request another scheduler took over: no record, no ACK (its entry is not ours)."""
+        if self._entry_ids.get(request_id) == entry_id:
+            del self._entry_ids[request_id]
+            self._drops.add(request_id)
+            self._wake.set()
+            if not self._entry_ids:
+                self._idle.set()
+
+    def mark_lost(self, reason: str) -> None:
+        """Declare the worker lost: the loop stops stepping and hands its requests back."""
+        if self._lost_reason is None:
+            self._lost_reason = reason
+            self.connected = False  # no new requests from now on; the loop hands back the held ones
+            self.client.break_stream(reason)
+            self._wake.set()
+
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
     # -- the loop -------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step until cancelled or the worker is lost (then every held request is failed)."""
+        """Step until cancelled or the worker is lost (then hand every held request back)."""
         core = self.core
         try:
-            while True:
+            while not cancel_requested():
+                if self._lost_reason is not None:
+                    raise WorkerLostError(f"worker {self.address}: {self._lost_reason}")
                 # Cleared before admitting: a submit() during the awaits below sets it again, so
                 # the wait cannot miss it.
                 self._wake.clear()
                 await self._admit_and_abort()
                 if not core.has_unfinished_requests() and not core.finished_req_ids:
-                    if not self._inbox and not self._aborts:
+                    if not self._inbox and not self._aborts and not self._drops and self._lost_reason is None:
                         await self._wake.wait()
                     continue
                 scheduler_output = core.schedule()
@@ -117,15 +169,32 @@ class WorkerEngine:
                 await self._publish(core.update_from_output(scheduler_output, runner_output))
         except WorkerLostError as exc:
             self.connected = False
-            log.error("%s; failing its %d requests", exc, len(self._entry_ids))
-            await self._fail_all(f"worker failed: {exc}")
+            if cancel_requested():
+                raise asyncio.CancelledError from exc  # shutting down: the requests stay pending in Redis
+            log.warning("%s; resuming its %d requests elsewhere", exc, len(self._entry_ids))
+            await self._hand_back()
         except Exception:
-            # A bug or Redis failure: fail what we hold rather than leave clients waiting; the
-            # service reconnects the worker with a fresh core.
+            # A bug: fail what we hold rather than leave clients waiting; the service reconnects
+            # the worker with a fresh core.
             self.connected = False
             log.exception("engine of %s failed; failing its %d requests", self.address, len(self._entry_ids))
             await self._fail_all("scheduler engine failed")
             raise
+
+    async def _hand_back(self) -> None:
+        """Publish what is pending (aborts included), then give every unfinished request back."""
+        try:
+            await self._admit_and_abort()
+            if self._publishing is not None:
+                await self._publishing
+        except Exception as exc:
+            log.error("could not publish before handing back the requests of %s: %s", self.address, exc)
+        handed = [(resumable_copy(r), self._entry_ids[rid]) for rid, r in self.core.requests.items()
+                  if rid in self._entry_ids]
+        self._entry_ids.clear()
+        self._idle.set()
+        if self._on_lost is not None:
+            self._on_lost(self, handed)
 
     async def _fail_all(self, message: str) -> None:
         self._inbox.clear()
@@ -139,6 +208,11 @@ class WorkerEngine:
     async def _admit_and_abort(self) -> None:
         outputs: list[EngineCoreOutput] = []
         errors: list[tuple[str, str, str]] = []
+        if self._drops:
+            drops, self._drops = self._drops, set()
+            self._inbox = [r for r in self._inbox if r.request_id not in drops]
+            self.core.abort(drops)  # frees their blocks; the records are not ours to publish
+            self._aborts -= drops
         if self._inbox:
             inbox, self._inbox = self._inbox, []
             for request in inbox:
@@ -154,28 +228,43 @@ class WorkerEngine:
 
     async def _publish(self, outputs: list[EngineCoreOutput],
                        errors: list[tuple[str, str, str]] = ()) -> None:
-        """One Redis pipeline: every output record, then XACK + delete of the finished requests.
+        """One Redis transaction: every output record, then XACK + delete of the finished requests.
 
-        The pipeline runs while the next step computes; pipelines go out one at a time, in step
-        order (each waits for the previous one), so a request's records stay in index order."""
-        records = [(o.request_id, convert.engine_output_to_record(o)) for o in outputs]
+        The transaction runs while the next step computes; they go out one at a time, in step
+        order (each waits for the previous one), so a request's records stay in index order.
+        Records of requests no longer held (dropped) are not published."""
+        held = self._entry_ids
+        records = [(o.request_id, convert.engine_output_to_record(o)) for o in outputs if o.request_id in held]
         finished_entries = []
         num_aborted = 0
         for o in outputs:
-            if o.finish_reason is not None and o.request_id in self._entry_ids:
-                finished_entries.append(self._entry_ids.pop(o.request_id))
+            if o.finish_reason is not None and o.request_id in held:
+                finished_entries.append(held.pop(o.request_id))
                 num_aborted += o.finish_reason is FinishReason.ABORT
         for rid, field, message in errors:
-            records.append((rid, convert.error_record(field, message)))
-            if rid in self._entry_ids:
-                finished_entries.append(self._entry_ids.pop(rid))
+            if rid in held:
+                records.append((rid, convert.error_record(field, message)))
+                finished_entries.append(held.pop(rid))
                 num_aborted += 1
         if self._publishing is not None:
             await self._publishing  # re-raises a failed previous publish
         self._publishing = asyncio.create_task(self._send(records, finished_entries, num_aborted))
 
     async def _send(self, records: list[tuple[str, bytes]], finished_entries: list[str], num_aborted: int) -> None:
-        await self._queue.publish(records, finished_entries)
+        """Publish, retrying while Redis is away (the engine stops stepping meanwhile: the next
+        publish waits for this one). A retry after a lost reply may write a step's records twice;
+        gateways drop repeated indices."""
+        delay = 0.05
+        while True:
+            try:
+                await self._queue.publish(records, finished_entries)
+                break
+            except RedisError as exc:
+                if cancel_requested():
+                    raise asyncio.CancelledError from exc
+                log.warning("publishing outputs of %s failed (%s); retrying in %.2fs", self.address, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, PUBLISH_RETRY_MAX_S)
         if finished_entries:
             if not self._entry_ids:
                 self._idle.set()

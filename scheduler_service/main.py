@@ -50,6 +50,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_flag(parser, env, "output-ttl-s", type=int, default=600,
              help="output streams expire this many seconds after their last entry (resume window)")
     add_flag(parser, env, "discovery-interval-s", type=float, default=2.0, help="registry scan / reconnect period")
+    add_flag(parser, env, "lease-ttl-s", type=float, default=10.0,
+             help="lifetime of this scheduler's worker leases and registry entry (renewed every third): "
+                  "a dead scheduler's workers are free for others after at most this long")
+    add_flag(parser, env, "reclaim-idle-s", type=float, default=10.0,
+             help="a request entry not refreshed for this long belongs to a dead scheduler and is taken over "
+                  "(XAUTOCLAIM); live schedulers refresh theirs every fifth of it")
+    add_flag(parser, env, "max-retries", type=int, default=3,
+             help="takeovers of one request before it goes to the dead-letter stream {prefix}dead")
     return parser
 
 
@@ -62,7 +70,8 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         policy=args.policy, max_queued_per_worker=args.max_queued_per_worker, output_ttl_s=args.output_ttl_s,
-        discovery_interval_s=args.discovery_interval_s, drain_grace_s=args.drain_grace_s)
+        discovery_interval_s=args.discovery_interval_s, drain_grace_s=args.drain_grace_s,
+        lease_ttl_s=args.lease_ttl_s, reclaim_idle_s=args.reclaim_idle_s, max_retries=args.max_retries)
 
 
 async def run(settings: SchedulerSettings) -> None:

@@ -1,17 +1,64 @@
 """The scheduler's side of Redis: the request stream it consumes, the output streams it writes,
-the abort stream it follows. Transport only: records arrive and leave as bytes
-(``scheduler_service.convert`` encodes them).
+the abort stream it follows, and the pending entries it keeps, reclaims or gives up. Transport
+only: records arrive and leave as bytes (``scheduler_service.convert`` encodes them).
 
 Backpressure stays in Redis (DESIGN.md): :meth:`RedisQueue.pull` is only called for as many
 requests as the scheduler has room for; the rest wait in the stream, where gateways see the
 backlog and refuse new work with RESOURCE_EXHAUSTED past their limit.
+
+Ownership of a request = its entry in the consumer group's pending list (PEL). A live scheduler
+resets the idle time of every entry it holds (:meth:`refresh_pending`) well within the reclaim
+idle time, so only a dead (or Redis-partitioned) scheduler's entries go idle long enough for
+another scheduler to take them over (:meth:`claim_idle`, XAUTOCLAIM). Each takeover counts as a
+delivery; past the retry limit the request is dead-lettered (:meth:`dead_letter`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.redis_keys import SCHEDULER_GROUP, RedisKeys
+from redis.exceptions import ResponseError
+
+from pagedserve.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
+
+DEAD_LETTERS_MAXLEN = 10_000
+
+# KEYS[1]: requests stream. ARGV: group, consumer, entry ids...
+# Resets the idle time of the given entries that are still pending for this consumer (XCLAIM
+# JUSTID does not count a delivery) and returns the ids that are not: finished, or taken over by
+# another scheduler. One script, so an entry cannot be taken between the check and the claim.
+_REFRESH_LUA = """
+local lost = {}
+local claim = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then claim[#claim + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+end
+if #claim > 5 then
+  claim[#claim + 1] = 'JUSTID'
+  redis.call(unpack(claim))
+end
+return lost
+"""
+
+# KEYS[1]: requests stream. ARGV: group, consumer, min idle ms, start id, count.
+# XAUTOCLAIM plus each claimed entry's delivery count (XAUTOCLAIM itself does not return it).
+# Returns {next start id, entries, delivery counts}; an entry deleted while pending is nil
+# (Redis 6.2) or absent (7.0+).
+_CLAIM_LUA = """
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+local entries, counts = {}, {}
+for _, e in ipairs(r[2]) do
+  if e then
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
+    entries[#entries + 1] = e
+    counts[#counts + 1] = p[1] and p[1][4] or 1
+  end
+end
+return {r[1], entries, counts}
+"""
+
+REFRESH_BATCH = 500  # entry ids per script call (Lua's unpack has a stack limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +68,22 @@ class QueueEntry:
     data: bytes  # an EngineRequest
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimedEntry:
+    """An entry taken over from an idle (dead) scheduler."""
+
+    entry: QueueEntry
+    deliveries: int  # times the entry was handed to a scheduler, this takeover included
+
+
 def _str(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _entry(entry_id, fields) -> QueueEntry:
+    if isinstance(fields, list):  # a script's reply: flat [field, value, ...]
+        fields = dict(zip(fields[::2], fields[1::2]))
+    return QueueEntry(_str(entry_id), _str(fields.get(b"request_id", b"")), fields.get(b"data", b""))
 
 
 class RedisQueue:
@@ -31,27 +92,37 @@ class RedisQueue:
         self._keys = keys
         self.consumer = consumer  # this scheduler's name in the consumer group
         self._output_ttl_s = output_ttl_s
+        self._refresh = redis.register_script(_REFRESH_LUA)
+        self._claim = redis.register_script(_CLAIM_LUA)
+        self._claim_cursor = "0-0"
 
     async def pull(self, count: int, block_ms: int) -> list[QueueEntry]:
-        """Up to ``count`` requests never delivered to any scheduler, waiting at most ``block_ms``."""
-        reply = await self._redis.xreadgroup(
-            SCHEDULER_GROUP, self.consumer, {self._keys.requests: ">"}, count=count, block=block_ms)
+        """Up to ``count`` requests never delivered to any scheduler, waiting at most ``block_ms``.
+        Recreates the consumer group if Redis lost it (a restart without persistence)."""
+        try:
+            reply = await self._redis.xreadgroup(
+                SCHEDULER_GROUP, self.consumer, {self._keys.requests: ">"}, count=count, block=block_ms)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await ensure_request_group(self._redis, self._keys)
+            return []
         entries = []
         for _stream, items in reply or ():
             for entry_id, fields in items:
                 if not fields:  # deleted while pending
                     continue
-                entries.append(QueueEntry(_str(entry_id), _str(fields.get(b"request_id", b"")),
-                                          fields.get(b"data", b"")))
+                entries.append(_entry(entry_id, fields))
         return entries
 
     async def publish(self, outputs: list[tuple[str, bytes]], finished_entry_ids: list[str]) -> None:
-        """In one pipeline: append each (request id, EngineOutput) to its output stream and renew
-        the stream's TTL; XACK and delete the request entries of finished requests."""
+        """In one transaction: append each (request id, EngineOutput) to its output stream and
+        renew the stream's TTL; XACK and delete the request entries of finished requests. Atomic,
+        so a scheduler that dies mid-publish leaves either all of a step's records or none."""
         if not outputs and not finished_entry_ids:
             return
         keys, ttl = self._keys, self._output_ttl_s
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=True)
         for request_id, data in outputs:
             key = keys.output(request_id)
             pipe.xadd(key, {"data": data})
@@ -60,6 +131,70 @@ class RedisQueue:
             pipe.xack(keys.requests, SCHEDULER_GROUP, *finished_entry_ids)
             pipe.xdel(keys.requests, *finished_entry_ids)
         await pipe.execute()
+
+    # -- ownership of pending entries ---------------------------------------------------------------
+
+    async def refresh_pending(self, entry_ids: list[str]) -> list[str]:
+        """Reset the idle time of the entries this scheduler still owns; return the ones it does
+        not own any more (finished meanwhile, or taken over by another scheduler)."""
+        lost: list[str] = []
+        for i in range(0, len(entry_ids), REFRESH_BATCH):
+            batch = entry_ids[i:i + REFRESH_BATCH]
+            reply = await self._refresh(keys=[self._keys.requests], args=[SCHEDULER_GROUP, self.consumer, *batch])
+            lost.extend(_str(x) for x in reply)
+        return lost
+
+    async def claim_idle(self, min_idle_ms: int, count: int) -> list[ClaimedEntry]:
+        """Take over up to ``count`` entries idle for ``min_idle_ms`` or longer (their scheduler
+        stopped refreshing them: it died). Walks the pending list with a cursor across calls."""
+        next_id, entries, counts = await self._claim(
+            keys=[self._keys.requests],
+            args=[SCHEDULER_GROUP, self.consumer, min_idle_ms, self._claim_cursor, count])
+        self._claim_cursor = _str(next_id)
+        return [ClaimedEntry(_entry(e[0], e[1]), int(n)) for e, n in zip(entries, counts)]
+
+    async def release(self, entry_ids: list[str], idle_ms: int) -> None:
+        """Hand entries back: mark them idle for ``idle_ms`` so any scheduler reclaims them at its
+        next pass (a draining scheduler's unfinished requests)."""
+        if entry_ids:
+            await self._redis.xclaim(self._keys.requests, SCHEDULER_GROUP, self.consumer, 0, entry_ids,
+                                     idle=idle_ms, justid=True)
+
+    async def read_outputs(self, request_ids: list[str]) -> list[list[bytes] | None]:
+        """Each request's output records so far (EngineOutput bytes, in order), or None when its
+        output stream is gone (expired: nobody waits for it any more)."""
+        if not request_ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.xrange(self._keys.output(rid))
+        replies = await pipe.execute()
+        return [[fields.get(b"data", b"") for _id, fields in items] if items else None for items in replies]
+
+    async def finish_entries(self, outputs: list[tuple[str, bytes]], entries: list[ClaimedEntry | QueueEntry],
+                             *, reason: str = "") -> None:
+        """Publish final records and ACK + delete the entries; with ``reason``, also copy each entry
+        to the dead-letter stream (a request given up after too many attempts)."""
+        pipe = self._redis.pipeline(transaction=True)
+        for request_id, data in outputs:
+            key = self._keys.output(request_id)
+            pipe.xadd(key, {"data": data})
+            pipe.expire(key, self._output_ttl_s)
+        ids = []
+        for item in entries:
+            entry = item.entry if isinstance(item, ClaimedEntry) else item
+            ids.append(entry.entry_id)
+            if reason:
+                pipe.xadd(self._keys.dead_letters, {
+                    "request_id": entry.request_id, "data": entry.data, "reason": reason,
+                    "deliveries": str(getattr(item, "deliveries", 1)), "consumer": self.consumer},
+                    maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+        if ids:
+            pipe.xack(self._keys.requests, SCHEDULER_GROUP, *ids)
+            pipe.xdel(self._keys.requests, *ids)
+        await pipe.execute()
+
+    # -- aborts ---------------------------------------------------------------------------------------
 
     async def last_abort_id(self) -> str:
         """The id to follow the abort stream from (its newest entry, or the beginning)."""

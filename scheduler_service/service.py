@@ -1,15 +1,20 @@
-"""The scheduler service: pulls requests from Redis while it has room, routes each to the least
-loaded worker engine, follows the abort stream, keeps its worker connections up, and reports
-stats.
+"""The scheduler service: pulls requests from Redis while it has room, places each on one of its
+workers (KV-aware: longest prefix-cache hit, then least loaded), follows the abort stream, keeps
+the requests it holds owned, takes over those of dead schedulers, and reports stats.
 
 Tasks (all on one event loop):
 - intake: XREADGROUP from ``{prefix}requests`` for at most the engines' free room (backpressure
   stays in Redis);
 - aborts: XREAD of ``{prefix}aborts``; an abort for a request not pulled yet is remembered, so the
-  request is dropped when it arrives;
-- supervisor: connects the workers given by address (or found in the registry) and reconnects lost
-  ones, one WorkerEngine each;
-- one engine loop per worker (``scheduler_service.engine``).
+  request is dropped when it arrives (or when it is taken over from a dead scheduler);
+- pending keeper: every ``reclaim_interval_s`` resets the idle time of every entry this scheduler
+  holds, then takes over entries idle for ``reclaim_idle_s`` (their scheduler died): each resumes
+  from prompt + the outputs its output stream already holds; one taken over more than
+  ``max_retries`` times goes to the dead-letter stream and its client gets an error;
+- the worker pool (``scheduler_service.workers``): leases, discovery, one engine loop per worker.
+
+A worker lost mid-generation hands its requests back (prompt + delivered outputs); they resume on
+another worker, or wait here for one (DESIGN.md decision 5).
 """
 
 from __future__ import annotations
@@ -17,29 +22,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import random
 import time
 from dataclasses import dataclass
 
-import grpc
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from pagedserve.redis_keys import RedisKeys, ensure_request_group
-from pagedserve.registry import list_workers
+from pagedserve.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.errors import InvalidParameterError
-from scheduler_service.core.scheduler import Scheduler, SchedulerStats
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
-from scheduler_service.redis_queue import QueueEntry, RedisQueue
+from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
+from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
-from scheduler_service.worker_client import WorkerLostError, connect
+from scheduler_service.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
 RECENT_ABORTS_MAX = 100_000  # aborts remembered for requests not pulled yet
 RECENT_ABORTS_TTL_S = 600.0
+CLAIM_BATCH_MAX = 64  # entries taken over per pass at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,10 @@ class WorkerStatsView:
     connected: bool
     num_steps: int
     core: SchedulerStats | None
+    worker_id: str = ""
+    num_routed: int = 0
+    num_routed_prefix_hit: int = 0
+    releasing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +65,10 @@ class ServiceStats:
     num_finished: int
     num_aborted: int
     workers: list[WorkerStatsView]
+    num_resumed: int = 0  # requests handed back by a lost worker and placed again
+    num_reclaimed: int = 0  # entries taken over from dead schedulers
+    num_dead_lettered: int = 0  # requests given up after too many takeovers
+    num_taken_over: int = 0  # requests this scheduler held that another one took over
 
 
 class SchedulerApp:
@@ -67,19 +80,24 @@ class SchedulerApp:
         self._redis = redis
         self._owns_redis = redis is None
         self.queue: RedisQueue | None = None
+        self.pool: WorkerPool | None = None
         self.lifecycle = None
-        self.engines: dict[str, WorkerEngine] = {}  # by worker address
-        self._engine_tasks: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._capacity = asyncio.Event()  # set when engines may have room again
-        self._backlog: collections.deque[tuple[QueueEntry, convert.QueuedRequest]] = collections.deque()
+        self._backlog: collections.deque[tuple[Request, str]] = collections.deque()  # (request, entry id)
         self._recent_aborts: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._rng = random.Random()
         self._draining = False
-        self._refused: set[str] = set()  # addresses whose last connect failed (logged once)
         self.num_finished = 0
         self.num_aborted = 0
+        self.num_resumed = 0
+        self.num_reclaimed = 0
+        self.num_dead_lettered = 0
+        self.num_taken_over = 0
         self.port = 0
+
+    @property
+    def engines(self) -> dict[str, WorkerEngine]:
+        return self.pool.engines if self.pool is not None else {}
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -96,41 +114,50 @@ class SchedulerApp:
         self.lifecycle = build_server(self)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
         await self.lifecycle.start()
+        self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
+                               on_change=self._on_pool_change, on_lost=self._resume_lost,
+                               on_finished=self._count_finished, stranded=lambda: len(self._backlog))
         abort_cursor = await self.queue.last_abort_id()  # before intake: no abort slips between
+        await self.pool.start()
         self._tasks = [
-            asyncio.create_task(self._supervise(), name="supervisor"),
             asyncio.create_task(self._follow_aborts(abort_cursor), name="aborts"),
             asyncio.create_task(self._intake(), name="intake"),
+            asyncio.create_task(self._keep_pending(), name="pending-keeper"),
         ]
-        log.info("scheduler %s on %s:%d, workers: %s", s.consumer, s.host, self.port,
-                 ", ".join(s.workers) or "from the Redis registry")
+        log.info("scheduler %s on %s:%d, workers: %s; takes over requests idle for %.1fs, at most %d times",
+                 s.consumer, s.host, self.port, ", ".join(s.workers) or "from the Redis registry",
+                 s.reclaim_idle_s, s.max_retries)
 
     async def wait_for_workers(self, n: int = 1, timeout_s: float = 60.0) -> None:
         """Return once ``n`` workers are connected (tests and `pagedserve serve` use it)."""
-        deadline = time.monotonic() + timeout_s
-        while sum(e.connected for e in self.engines.values()) < n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {n} workers connected after {timeout_s}s")
-            await asyncio.sleep(0.05)
+        await self.pool.wait_connected(n, timeout_s)
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop pulling, go NOT_SERVING, let held requests finish within the grace period, stop.
-        Requests still unfinished stay pending in Redis, un-ACKed, for another scheduler."""
+        Requests still unfinished stay pending in Redis, marked idle so another scheduler takes
+        them over at its next pass (resuming from what they delivered)."""
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self._draining = True
         self._capacity.set()
         if self.lifecycle is not None:
             await self.lifecycle.drain(grace, self._wait_engines_idle)
-        tasks = [*self._tasks, *self._engine_tasks.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for engine in self.engines.values():
-            await engine.close()
+        await cancel_and_wait(self._tasks)
+        leftover = list(self._held_entries())
+        if self.pool is not None:
+            await self.pool.stop()
+        if leftover:
+            try:
+                await self.queue.release(leftover, int(self.settings.reclaim_idle_s * 1000))
+                log.info("handed %d unfinished requests to the other schedulers", len(leftover))
+            except RedisError as exc:
+                log.warning("could not hand back %d requests (they are taken over once idle): %s",
+                            len(leftover), exc)
         if self._owns_redis and self._redis is not None:
             await self._redis.aclose()
 
     async def _wait_engines_idle(self) -> None:
+        while self._backlog:
+            await asyncio.sleep(0.05)
         for engine in list(self.engines.values()):
             await engine.wait_idle()
 
@@ -138,87 +165,26 @@ class SchedulerApp:
 
     def stats(self) -> ServiceStats:
         return ServiceStats(self.num_finished, self.num_aborted, [
-            WorkerStatsView(e.address, e.description.info.model, e.connected, e.num_steps, e.core.stats())
-            for e in self.engines.values()])
+            WorkerStatsView(e.address, e.description.info.model, e.connected, e.num_steps, e.core.stats(),
+                            e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing)
+            for e in self.engines.values()],
+            self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over)
 
     def _count_finished(self, num_finished: int, num_aborted: int) -> None:
         self.num_finished += num_finished
         self.num_aborted += num_aborted
         self._capacity.set()
 
-    # -- workers --------------------------------------------------------------------------------------
-
-    async def _supervise(self) -> None:
-        s = self.settings
-        while True:
-            for address, task in list(self._engine_tasks.items()):
-                if task.done():  # worker lost: forget it, reconnect below if still wanted
-                    del self._engine_tasks[address]
-                    if not task.cancelled() and task.exception() is not None:
-                        log.error("engine of %s stopped", address, exc_info=task.exception())
-                    await self.engines.pop(address).close()
-            try:
-                wanted = list(s.workers) if s.workers else [
-                    r.address for r in await list_workers(self._redis, self.keys)]
-            except RedisError as exc:
-                log.warning("worker registry unreadable: %s", exc)
-                wanted = []
-            for address in wanted:
-                if address not in self.engines and not self._draining:
-                    await self._connect(address)
-            self._route_backlog()
-            await asyncio.sleep(s.discovery_interval_s)
-
-    async def _connect(self, address: str) -> None:
-        s = self.settings
-        try:
-            client, description = await connect(address, timeout_s=5.0)
-        except (grpc.aio.AioRpcError, WorkerLostError, asyncio.TimeoutError) as exc:
-            level = logging.DEBUG if address in self._refused else logging.WARNING
-            log.log(level, "cannot drive worker %s: %s", address, exc)
-            self._refused.add(address)
-            return
-        self._refused.discard(address)
-        info = description.info
-        config = SchedulerConfig(
-            max_num_batched_tokens=min(s.max_num_batched_tokens or description.max_num_batched_tokens,
-                                       description.max_num_batched_tokens),
-            max_num_seqs=min(s.max_num_seqs or description.max_num_seqs, description.max_num_seqs),
-            long_prefill_token_threshold=s.long_prefill_token_threshold,
-            enable_chunked_prefill=s.enable_chunked_prefill,
-            enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
-        try:
-            core = Scheduler(config, info, seed_rng=random.Random(self._rng.getrandbits(64)))
-        except ValueError as exc:  # settings that cannot work with this worker (InvalidParameterError)
-            log.error("cannot drive worker %s with these settings: %s", address, exc)
-            await client.close()
-            return
-        engine = WorkerEngine(client, description, core, self.queue,
-                              max_queued=s.max_queued_per_worker or config.max_num_seqs,
-                              on_finished=self._count_finished)
-        self.engines[address] = engine
-        self._engine_tasks[address] = asyncio.create_task(engine.run(), name=f"engine {address}")
-        self._tasks.append(asyncio.create_task(
-            client.watch_health(lambda serving, e=engine: self._on_worker_health(e, serving)),
-            name=f"health {address}"))
-        log.info("driving worker %s (%s): %d KV blocks of %d tokens, max_model_len %d, batch %d seqs / %d tokens",
-                 address, info.model, info.num_blocks, info.block_size, info.max_model_len,
-                 config.max_num_seqs, config.max_num_batched_tokens)
+    def _on_pool_change(self) -> None:
         self._capacity.set()
-
-    def _on_worker_health(self, engine: WorkerEngine, serving: bool) -> None:
-        if engine.accepting != serving:
-            log.info("worker %s %s", engine.address, "accepts requests" if serving else "is draining")
-        engine.accepting = serving
-        if serving:
-            self._capacity.set()
+        self._route_backlog()
 
     # -- intake ---------------------------------------------------------------------------------------
 
     async def _intake(self) -> None:
         s = self.settings
-        while not self._draining:
-            room = sum(e.room for e in self.engines.values())
+        while not self._draining and not cancel_requested():
+            room = self.pool.room
             if room <= 0 or self._backlog:
                 self._capacity.clear()
                 try:
@@ -237,44 +203,152 @@ class SchedulerApp:
             for entry in entries:
                 await self._admit(entry, now)
 
-    async def _admit(self, entry: QueueEntry, now: float) -> None:
+    async def _admit(self, entry: QueueEntry, now: float, delivered: list[int] | None = None) -> None:
+        """Place one request entry (new, or taken over with ``delivered`` outputs)."""
         try:
-            queued = convert.queued_request_from_record(entry.data)
+            queued = convert.queued_request_from_record(entry.data, output_token_ids=delivered or ())
         except (InvalidParameterError, DecodeError) as exc:
             field = getattr(exc, "field", "")
             log.warning("refusing malformed request %s: %s", entry.request_id, exc)
-            await self._finish_unstarted(entry, field, str(exc))
+            await self._finish_unstarted(entry.entry_id, entry.request_id, field, str(exc))
             return
         rid = queued.request.request_id
         if self._recent_aborts.pop(rid, None) is not None:
-            await self._finish_unstarted(entry, "", "aborted before it was scheduled")
+            await self._finish_unstarted(entry.entry_id, rid, "", "aborted before it was scheduled")
             return
         if queued.deadline and queued.deadline < now:
-            await self._finish_unstarted(entry, "", "deadline passed before it was scheduled")
+            await self._finish_unstarted(entry.entry_id, rid, "", "deadline passed before it was scheduled")
             return
-        self._backlog.append((entry, queued))
+        if delivered is not None:
+            self._backlog.appendleft((queued.request, entry.entry_id))  # older than anything new
+        else:
+            self._backlog.append((queued.request, entry.entry_id))
         self._route_backlog()
 
     def _route_backlog(self) -> None:
-        """Hand pulled requests to engines: the least loaded one whose max_model_len fits."""
+        """Hand waiting requests to engines (``scheduler_service.routing``); with no engine taking
+        requests they stay here, pending in Redis and ours, until one connects."""
+        if self.pool is None:
+            return
         while self._backlog:
-            engines = [e for e in self.engines.values() if e.connected and e.accepting]
+            engines = self.pool.routable()
             if not engines:
-                return  # no worker yet: keep them (pending in Redis, ours) until one connects
-            entry, queued = self._backlog.popleft()
-            fitting = [e for e in engines if e.fits(queued.request)] or engines
-            min(fitting, key=lambda e: e.load).submit(queued.request, entry.entry_id)
+                return
+            request, entry_id = self._backlog.popleft()
+            engine, hit = choose_engine(request, engines)
+            engine.num_routed += 1
+            engine.num_routed_prefix_hit += hit > 0
+            engine.submit(request, entry_id)
 
-    async def _finish_unstarted(self, entry: QueueEntry, field: str, message: str) -> None:
+    def _resume_lost(self, engine: WorkerEngine, handed: list[tuple[Request, str]]) -> None:
+        """A worker was lost: its requests (prompt + delivered outputs) go first in line."""
+        if handed:
+            log.info("resuming %d requests of lost worker %s", len(handed), engine.address)
+        self.num_resumed += len(handed)
+        self._backlog.extendleft(reversed(handed))
+        self._capacity.set()
+        self._route_backlog()
+
+    async def _finish_unstarted(self, entry_id: str, request_id: str, field: str, message: str) -> None:
         """Publish a final ABORT record for a request never handed to a worker, and ACK it."""
-        records = [(entry.request_id, convert.error_record(field, message))] if entry.request_id else []
-        await self.queue.publish(records, [entry.entry_id])
+        records = [(request_id, convert.error_record(field, message))] if request_id else []
+        try:
+            await self.queue.publish(records, [entry_id])
+        except RedisError as exc:  # still pending and ours: taken over (and refused again) later
+            log.warning("could not refuse request %s: %s", request_id, exc)
+            return
         self._count_finished(1, 1)
+
+    # -- pending entries: keep ours, take over the dead's ---------------------------------------------
+
+    def _held_entries(self) -> dict[str, tuple[str, WorkerEngine | None]]:
+        """Entry id -> (request id, engine holding it or None for the backlog)."""
+        held: dict[str, tuple[str, WorkerEngine | None]] = {}
+        for engine in self.engines.values():
+            for rid, entry_id in engine.entries().items():
+                held[entry_id] = (rid, engine)
+        for request, entry_id in self._backlog:
+            held[entry_id] = (request.request_id, None)
+        return held
+
+    async def _keep_pending(self) -> None:
+        s = self.settings
+        while not cancel_requested():
+            await asyncio.sleep(s.reclaim_interval_s)
+            try:
+                await self._refresh_pending()
+                if not self._draining and self.pool.room > 0:
+                    await self._reclaim()
+            except RedisError as exc:
+                log.warning("keeping pending requests failed: %s", exc)
+
+    async def _refresh_pending(self) -> None:
+        """Reset the idle time of what we hold; forget what another scheduler took over from us
+        (we were too slow, e.g. cut off from Redis past the idle time): it resumes there."""
+        held = self._held_entries()
+        if not held:
+            return
+        lost = await self.queue.refresh_pending(list(held))
+        for entry_id in lost:
+            rid, engine = held[entry_id]
+            if engine is not None:
+                if engine.entries().get(rid) != entry_id:
+                    continue  # finished meanwhile
+                engine.drop(rid, entry_id)
+            else:
+                before = len(self._backlog)
+                self._backlog = collections.deque(x for x in self._backlog if x[1] != entry_id)
+                if len(self._backlog) == before:
+                    continue
+            self.num_taken_over += 1
+            log.warning("request %s was taken over by another scheduler", rid)
+
+    async def _reclaim(self) -> None:
+        s = self.settings
+        claimed = await self.queue.claim_idle(int(s.reclaim_idle_s * 1000), min(self.pool.room, CLAIM_BATCH_MAX))
+        held = self._held_entries()
+        claimed = [c for c in claimed if c.entry.entry_id not in held]  # ours already (a late refresh)
+        if not claimed:
+            return
+        self.num_reclaimed += len(claimed)
+        limit = 1 + s.max_retries
+        give_up = [c for c in claimed if c.deliveries > limit]
+        if give_up:
+            await self._dead_letter(give_up)
+        taken = [c for c in claimed if c.deliveries <= limit]
+        outputs = await self.queue.read_outputs([c.entry.request_id for c in taken])
+        done: list[ClaimedEntry] = []
+        now = time.time()
+        for c, records in zip(taken, outputs):
+            if records is None:
+                log.info("request %s taken over, but its output stream expired: dropped", c.entry.request_id)
+                done.append(c)
+                continue
+            delivered, finished = convert.delivered_outputs(records)
+            if finished:
+                done.append(c)  # its scheduler died between publishing the end and the ACK
+                continue
+            log.info("request %s taken over (delivery %d): resuming after %d delivered tokens",
+                     c.entry.request_id, c.deliveries, len(delivered))
+            await self._admit(c.entry, now, delivered)
+        if done:
+            await self.queue.finish_entries([], done)
+
+    async def _dead_letter(self, entries: list[ClaimedEntry]) -> None:
+        reason = f"given up after {self.settings.max_retries} takeovers"
+        records = [(c.entry.request_id, convert.error_record("", f"request failed: {reason}"))
+                   for c in entries if c.entry.request_id]
+        await self.queue.finish_entries(records, entries, reason=reason)
+        for c in entries:
+            log.error("request %s %s (delivered %d times): moved to %s", c.entry.request_id, reason,
+                      c.deliveries, self.keys.dead_letters)
+        self.num_dead_lettered += len(entries)
+        self._count_finished(len(entries), len(entries))
 
     # -- aborts ---------------------------------------------------------------------------------------
 
     async def _follow_aborts(self, cursor: str) -> None:
-        while True:
+        while not cancel_requested():
             try:
                 ids, cursor = await self.queue.read_aborts(cursor, self.settings.poll_block_ms)
             except RedisError as exc:
@@ -289,10 +363,10 @@ class SchedulerApp:
             if engine.owns(request_id):
                 engine.abort(request_id)
                 return
-        for i, (entry, queued) in enumerate(self._backlog):
-            if queued.request.request_id == request_id:
+        for i, (request, entry_id) in enumerate(self._backlog):
+            if request.request_id == request_id:
                 del self._backlog[i]
-                asyncio.create_task(self._finish_unstarted(entry, "", "aborted before it was scheduled"))
+                asyncio.create_task(self._finish_unstarted(entry_id, request_id, "", "aborted before it was scheduled"))
                 return
         # Not pulled yet (or not ours): remember it, bounded in size and age.
         now = time.monotonic()

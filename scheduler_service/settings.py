@@ -39,6 +39,16 @@ class SchedulerSettings:
     discovery_interval_s: float = 2.0  # registry scan / reconnect period
     poll_block_ms: int = 1000  # longest blocking Redis read (bounds shutdown latency)
     drain_grace_s: float = 30.0
+    # Fault tolerance (README "Scaling and fault tolerance").
+    lease_ttl_s: float = 10.0  # worker leases and this scheduler's registry entry; renewed every third
+    reclaim_idle_s: float = 10.0  # a request entry idle this long belongs to a dead scheduler: take it over
+    max_retries: int = 3  # takeovers of one request before it is dead-lettered
+
+    @property
+    def reclaim_interval_s(self) -> float:
+        """How often held entries are refreshed and idle ones looked for: a fifth of the idle time,
+        so a live scheduler refreshes its entries several times before anyone may take them."""
+        return self.reclaim_idle_s / 5
 
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)
@@ -54,6 +64,12 @@ class SchedulerSettings:
             raise ValueError(f"output_ttl_s: must be >= 1, got {self.output_ttl_s}")
         if self.discovery_interval_s <= 0 or self.poll_block_ms < 1:
             raise ValueError("discovery_interval_s and poll_block_ms must be positive")
+        if self.lease_ttl_s < 0.3:
+            raise ValueError(f"lease_ttl_s: must be >= 0.3, got {self.lease_ttl_s}")
+        if self.reclaim_idle_s < 0.5:
+            raise ValueError(f"reclaim_idle_s: must be >= 0.5, got {self.reclaim_idle_s}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries: must be >= 0, got {self.max_retries}")
         for address in self.workers:
             if ":" not in address:
                 raise ValueError(f"workers: expected host:port, got {address!r}")

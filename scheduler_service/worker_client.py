@@ -3,8 +3,9 @@ health watch (a worker that starts draining gets no new requests)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,9 +33,12 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._call = None
         self._step_id = 0
+        self._broken: str | None = None  # why break_stream() cancelled the call
 
     async def describe(self, timeout_s: float = 30.0) -> WorkerDescription:
-        msg = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
+        # Not wait_for_ready: a dead address (a registry entry not expired yet) fails at once
+        # instead of holding a claim attempt for the whole timeout; the supervisor retries.
+        msg = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s)
         return convert.worker_description_from_pb(msg)
 
     async def reset(self, timeout_s: float = 30.0) -> int:
@@ -50,16 +54,42 @@ class WorkerClient:
         if self._call is None:
             raise WorkerLostError(f"worker {self.address}: no Step stream open")
         self._step_id += 1
+        call = self._call
         try:
-            await self._call.write(convert.scheduler_output_to_pb(scheduler_output, self._step_id))
-            reply = await self._call.read()
+            await call.write(convert.scheduler_output_to_pb(scheduler_output, self._step_id))
+            reply = await call.read()
         except grpc.aio.AioRpcError as exc:
             raise WorkerLostError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.CancelledError:
+            # A call cancelled under a pending read raises CancelledError in the reader: ours
+            # (break_stream) means the worker is lost; anything else is this task's cancellation.
+            if self._broken is None or call is self._call:
+                raise
+            raise WorkerLostError(f"worker {self.address}: {self._broken}") from None
         if reply is grpc.aio.EOF:
             raise WorkerLostError(f"worker {self.address}: Step stream ended")
         if reply.step_id != self._step_id:
             raise WorkerLostError(f"worker {self.address}: answer for step {reply.step_id}, expected {self._step_id}")
         return convert.runner_output_from_pb(reply)
+
+    def break_stream(self, reason: str = "stream broken by the scheduler") -> None:
+        """Cancel the Step call: a step in flight (or the next one) raises WorkerLostError. Used
+        when the worker is declared lost by other means (heartbeat expired and unreachable, lease
+        lost, released to another scheduler)."""
+        self._broken = reason
+        if self._call is not None:
+            call, self._call = self._call, None
+            call.cancel()
+
+    async def check_health(self, timeout_s: float) -> bool | None:
+        """One health check of the Worker service: True SERVING, False NOT_SERVING (draining),
+        None unreachable or no answer within ``timeout_s``."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            return None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def watch_health(self, on_change: Callable[[bool], None]) -> None:
         """Call ``on_change(serving)`` on every health change of the Worker service until the
@@ -80,12 +110,21 @@ class WorkerClient:
         await self._channel.close()
 
 
-async def connect(address: str, *, timeout_s: float = 30.0) -> tuple[WorkerClient, WorkerDescription]:
-    """Dial, describe and open the Step stream; raises on failure (the client is closed then):
-    WorkerLostError when the worker refuses the stream, grpc.aio.AioRpcError when unreachable."""
+class LeaseRefusedError(RuntimeError):
+    """Another scheduler holds the worker's lease."""
+
+
+async def connect(address: str, *, timeout_s: float = 30.0,
+                  claim: Callable[[WorkerDescription], Awaitable[bool]] | None = None
+                  ) -> tuple[WorkerClient, WorkerDescription]:
+    """Dial, describe, ``claim`` the worker (take its lease; False: LeaseRefusedError) and open the
+    Step stream; raises on failure (the client is closed then): WorkerLostError when the worker
+    refuses the stream, grpc.aio.AioRpcError when unreachable."""
     client = WorkerClient(address)
     try:
         description = await client.describe(timeout_s)
+        if claim is not None and not await claim(description):
+            raise LeaseRefusedError(f"worker {address} ({description.worker_id}) is driven by another scheduler")
         await client.open_stream()
         # An empty step proves the stream is ours (a worker driven by another scheduler refuses).
         await client.step(SchedulerOutput())

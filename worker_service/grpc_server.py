@@ -38,8 +38,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     and the last drop has run."""
 
     def __init__(self, runner: StepRunner, *, worker_id: str, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, step_delay_s: float = 0.0) -> None:
         self._runner = runner
+        self._step_delay_s = step_delay_s  # testing knob: throttles generation (chaos tests)
         self._info = runner.info
         self._worker_id = worker_id
         self._max_num_seqs = max_num_seqs
@@ -49,6 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._stream_open = False
+        self.stopping = False  # set when the server stops: a stream broken by that is no error
         self.num_steps = 0
 
     # -- rpcs -----------------------------------------------------------------------------------------
@@ -69,12 +71,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 scheduler_output = convert.scheduler_output_from_pb(msg)
                 started = time.perf_counter()
                 output = await self._execute(scheduler_output)
+                if self._step_delay_s and scheduler_output.total_num_scheduled_tokens:
+                    await asyncio.sleep(self._step_delay_s)
                 yield convert.runner_output_to_pb(msg.step_id, output, time.perf_counter() - started)
+        except Exception:
+            if not self.stopping:
+                raise
+            # The server stops under an open stream (the end of a drain): not an error.
         finally:
-            self._stream_open = False
             log.info("scheduler %s disconnected; dropping %d requests", peer, len(self._live))
-            # Not awaited: the generator may be closing because its task was cancelled.
-            asyncio.get_running_loop().create_task(self._drop_all())
+            # Taken now, before the next stream can add requests; run on the runner thread after
+            # this stream's last step and before the next stream's first (one FIFO thread). Not
+            # awaited: the generator may be closing because its task was cancelled.
+            drop = self._take_live()
+            self._stream_open = False
+            asyncio.get_running_loop().create_task(drop)
 
     async def Reset(self, request, context):
         return worker_pb2.ResetResponse(num_dropped=await self._drop_all())
@@ -97,11 +108,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _drop_all(self) -> int:
         """Finish every live request in the runner (one empty step carrying their ids)."""
-        dropped = set(self._live)
+        return await self._take_live()
+
+    def _take_live(self):
+        """Detach the live set now; the returned coroutine drops those requests in the runner."""
+        dropped, self._live = self._live, set()
+        future = None
         if dropped:
-            await self._execute(SchedulerOutput(finished_req_ids=dropped))
-        self._idle.set()
-        return len(dropped)
+            try:
+                future = asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._runner.execute_model, SchedulerOutput(finished_req_ids=dropped))
+            except RuntimeError:  # the runner thread is shut down: nothing left to drop from
+                future = None
+
+        async def finish() -> int:
+            if future is not None:
+                await future
+            self._idle.set()
+            return len(dropped)
+
+        return finish()
 
     async def wait_idle(self) -> None:
         """Returns once the runner holds no request (used while draining)."""

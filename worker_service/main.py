@@ -40,6 +40,9 @@ class WorkerSettings:
     key_prefix: str = "ps:"
     heartbeat_ttl_s: float = 10.0  # registry entry lifetime; refreshed every third of it
     drain_grace_s: float = 30.0
+    step_delay_s: float = 0.0  # testing: sleep after each step (throttles generation for chaos tests)
+    # SIMULATION (benchmarks/scale.py only): (a, b) replaces the model by a sleep of a + b x tokens.
+    simulate_step_latency: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -48,6 +51,8 @@ class WorkerSettings:
             raise ValueError(f"heartbeat_ttl_s: must be >= 1, got {self.heartbeat_ttl_s}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
+        if self.step_delay_s < 0:
+            raise ValueError(f"step_delay_s: must be >= 0, got {self.step_delay_s}")
         RedisKeys(self.key_prefix)  # validates the prefix
 
     def address_for(self, port: int) -> str:
@@ -77,13 +82,22 @@ class WorkerApp:
         from worker_service.grpc_server import WorkerServicer, build_server
 
         s = self.settings
+        if self._runner is None and s.simulate_step_latency is not None:
+            from worker_service.simulated_runner import build_simulated_runner
+
+            log.warning("SIMULATION: no model runs on this worker; each step sleeps %.4f s + %.6f s per token "
+                        "and returns made-up tokens (benchmarks/scale.py)", *s.simulate_step_latency)
+            self._runner = await asyncio.to_thread(
+                build_simulated_runner, s.runner.model, step_latency=s.simulate_step_latency,
+                num_blocks=s.runner.num_blocks or 4096, block_size=s.runner.block_size,
+                max_model_len=s.runner.max_model_len)
         if self._runner is None:
             from worker_service.model_runner import ModelRunner
 
             self._runner = await asyncio.to_thread(ModelRunner, s.runner)
         self.servicer = WorkerServicer(
             self._runner, worker_id=s.worker_id, max_num_seqs=s.runner.max_num_seqs,
-            max_num_batched_tokens=s.runner.max_num_batched_tokens)
+            max_num_batched_tokens=s.runner.max_num_batched_tokens, step_delay_s=s.step_delay_s)
         self.lifecycle = build_server(self.servicer)
         port = self.lifecycle.bind(f"{s.host}:{s.port}")
         await self.lifecycle.start()
@@ -102,6 +116,12 @@ class WorkerApp:
         log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d)",
                  s.worker_id, info.model, self.address, info.num_blocks, info.block_size, info.max_model_len)
 
+    async def _wait_idle_then_stop(self) -> None:
+        try:
+            await self.servicer.wait_idle()
+        finally:  # idle, or the grace ran out: the server stops next
+            self.servicer.stopping = True
+
     @property
     def info(self):
         """The runner's WorkerInfo (model, KV blocks, limits)."""
@@ -113,7 +133,7 @@ class WorkerApp:
         if self._heartbeat is not None:
             await self._heartbeat.stop()
         if self.lifecycle is not None:
-            await self.lifecycle.drain(grace, self.servicer.wait_idle)
+            await self.lifecycle.drain(grace, self._wait_idle_then_stop)
         if self.servicer is not None:
             self.servicer.close()
         if self._redis is not None:
@@ -153,6 +173,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
              help="share of free GPU memory the KV cache may take")
     add_flag(parser, env, "attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
              help="paged-attention implementation (auto: triton on CUDA, torch on CPU)")
+    add_flag(parser, env, "step-delay-s", type=float, default=0.0,
+             help="testing only: sleep this long after every step (throttles generation so chaos tests can kill "
+                  "processes mid-generation)")
+    add_flag(parser, env, "simulate-step-latency", default="",
+             help="SIMULATION for control-plane benchmarks only: 'a,b' runs no model; each step sleeps "
+                  "a + b x scheduled tokens seconds and returns made-up deterministic tokens (empty: off)")
     return parser
 
 
@@ -164,10 +190,17 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         num_blocks=args.num_blocks or None, gpu_memory_fraction=args.gpu_memory_fraction,
         attention_backend=args.attention_backend)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    simulate = None
+    if args.simulate_step_latency:
+        from worker_service.simulated_runner import parse_step_latency
+
+        simulate = parse_step_latency(args.simulate_step_latency)
+        if not args.worker_id:
+            extra["worker_id"] = "sim-" + uuid.uuid4().hex[:8]
     return WorkerSettings(
         runner=runner, host=args.host, port=args.port, advertise_address=args.advertise_address,
         redis_url=args.redis_url, key_prefix=args.key_prefix, heartbeat_ttl_s=args.heartbeat_ttl_s,
-        drain_grace_s=args.drain_grace_s, **extra)
+        drain_grace_s=args.drain_grace_s, step_delay_s=args.step_delay_s, simulate_step_latency=simulate, **extra)
 
 
 async def run(settings: WorkerSettings) -> None:

@@ -1,6 +1,7 @@
 """SIGTERM semantics of the worker and the scheduler (NOT_SERVING at once, held requests finish,
-then the server stops), and a worker lost mid-generation. Each test builds a stack of its own
-under its own key prefix, so the shared one stays up."""
+then the server stops), and a worker lost mid-generation (its request waits for another worker and
+resumes there). Each test builds a stack of its own under its own key prefix, so the shared one
+stays up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import contextlib
 import pytest
 
 from pagedserve.aio_client import AsyncClient
-from pagedserve.errors import UnavailableError
+from scheduler_service.core.sampling_params import SamplingParams
 
 from .conftest import MAX_NUM_SEQS, NUM_BLOCKS
 from .test_health import NOT_SERVING, SERVING, health
@@ -18,23 +19,30 @@ from .test_health import NOT_SERVING, SERVING, health
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 
 
-@contextlib.asynccontextmanager
-async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_url):
-    from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
-    from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+async def start_worker(prefix: str, tiny_model_dir, hf_model, redis_url, *, step_delay_s: float = 0.0):
     from worker_service.config import ModelRunnerConfig
     from worker_service.main import WorkerApp, WorkerSettings
     from worker_service.model_runner import ModelRunner
 
     runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
                          hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_url, key_prefix=prefix),
-                       runner=runner)
+    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_url, key_prefix=prefix,
+                                      step_delay_s=step_delay_s), runner=runner)
     await worker.start()
+    return worker
+
+
+@contextlib.asynccontextmanager
+async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_url, *, registry: bool = False):
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+    from scheduler_service.service import SchedulerApp
+    from scheduler_service.settings import SchedulerSettings
+
+    worker = await start_worker(prefix, tiny_model_dir, hf_model, redis_url)
     scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_url, key_prefix=prefix, port=0,
-                                               workers=(worker.address,), poll_block_ms=200))
+                                               workers=() if registry else (worker.address,), poll_block_ms=200,
+                                               discovery_interval_s=0.2))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
     gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, redis_url=redis_url, key_prefix=prefix,
@@ -72,16 +80,24 @@ async def test_draining_worker_and_scheduler_finish_what_they_hold(tiny_model_di
         assert rest[-1].finish_reason == "length"
 
 
-async def test_worker_lost_mid_generation_fails_the_request_and_the_scheduler_stays_up(
-        tiny_model_dir, hf_model, hf_tokenizer, redis_server):
-    async with own_stack("lost:", tiny_model_dir, hf_model, hf_tokenizer, redis_server.url) as (
+async def test_worker_lost_mid_generation_resumes_on_the_next_worker_with_the_same_tokens(
+        tiny_model_dir, hf_model, hf_tokenizer, redis_server, llm):
+    prompt, max_tokens = "Interrupted", 300
+    expected = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    async with own_stack("lost:", tiny_model_dir, hf_model, hf_tokenizer, redis_server.url, registry=True) as (
             worker, scheduler, gateway):
         async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=60, retries=0) as client:
-            stream = client.stream("Interrupted", max_tokens=400, ignore_eos=True)
-            await stream.__anext__()
-            await worker.lifecycle.server.stop(0)  # the worker vanishes (no drain)
-            with pytest.raises(UnavailableError, match="worker failed"):
-                async for _chunk in stream:
-                    pass
+            stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            chunks = [await stream.__anext__()]
+            await worker.lifecycle.server.stop(0)  # the worker vanishes (no drain): its request waits
+            replacement = await start_worker("lost:", tiny_model_dir, hf_model, redis_server.url)
+            try:
+                chunks += [c async for c in stream]
+            finally:
+                await replacement.drain(1)
+        indices = [c.first_index + i for c in chunks for i in range(len(c.token_ids))]
+        assert indices == list(range(max_tokens))  # every index once, in order
+        assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+        assert chunks[-1].finish_reason == "length"
         assert await health(f"127.0.0.1:{scheduler.port}") == SERVING
-        assert scheduler.stats().num_aborted == 1
+        assert scheduler.stats().num_resumed == 1 and scheduler.stats().num_aborted == 0

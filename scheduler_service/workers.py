@@ -1,0 +1,329 @@
+"""The workers one scheduler drives: discovery, leases, liveness and rebalancing.
+
+A supervisor pass runs every ``discovery_interval_s``:
+
+- forget engines whose worker was lost (their requests were handed back already) and release
+  their leases;
+- find workers: the ``--workers`` list, or the Redis registry. In registry mode a scheduler
+  claims free workers only up to its fair share, ``ceil(live workers / live schedulers)`` (both
+  from the registry), and hands workers beyond its share back gracefully (no new requests; once
+  empty, stream closed and lease released) so a newly started scheduler gets workers too. When
+  another scheduler holds requests but no worker at all (its only worker died), one with two or
+  more hands one back at once, its requests resuming on its other workers;
+- a driven worker whose registry entry expired (heartbeats stopped) is probed; unreachable, it is
+  declared lost and its requests resume elsewhere;
+- claim: take the worker's lease (``scheduler_service.leases``), then open its Step stream.
+
+Leases are renewed every third of their TTL by a task of their own; a lease found taken by another
+scheduler means this one must stop driving that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections.abc import Callable
+
+import grpc
+from redis.exceptions import RedisError
+
+from pagedserve.redis_keys import RedisKeys
+from pagedserve.registry import Heartbeat, SchedulerRecord, WorkerRecord, list_schedulers, list_workers
+from pagedserve.serving import cancel_and_wait, cancel_requested
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.engine import WorkerEngine
+from scheduler_service.leases import WorkerLeases
+from scheduler_service.redis_queue import RedisQueue
+from scheduler_service.settings import SchedulerSettings
+from scheduler_service.worker_client import LeaseRefusedError, WorkerLostError, connect
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 2.0
+
+
+class WorkerPool:
+    """One WorkerEngine per driven worker, by address.
+
+    Callbacks into the service: ``on_change()`` when room may have appeared (a worker connected or
+    became ready), ``on_lost(engine, handed)`` with the requests of a lost worker,
+    ``on_finished(n, n_aborted)`` after each publish with finished requests.
+    """
+
+    def __init__(self, settings: SchedulerSettings, redis, keys: RedisKeys, queue: RedisQueue, *,
+                 admin_address: str, on_change: Callable[[], None],
+                 on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None],
+                 on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0) -> None:
+        self.settings = settings
+        self._redis = redis
+        self._keys = keys
+        self._queue = queue
+        self._on_change = on_change
+        self._on_lost = on_lost
+        self._on_finished = on_finished
+        self._stranded = stranded  # requests the service holds that no engine takes
+        self.leases = WorkerLeases(redis, keys, settings.consumer, ttl_s=settings.lease_ttl_s)
+        self._record = SchedulerRecord(settings.consumer, admin_address, 0)
+        self._heartbeat = Heartbeat(redis, keys, self._record, settings.lease_ttl_s,
+                                    key=keys.scheduler(settings.consumer))
+        self.engines: dict[str, WorkerEngine] = {}
+        self._engine_tasks: dict[str, asyncio.Task] = {}
+        self._side_tasks: dict[str, asyncio.Task] = {}  # health watch per address
+        self._connecting: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._rng = random.Random()
+        self._refused: set[str] = set()  # addresses whose last connect failed (logged once)
+        self.draining = False
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self._heartbeat.start()
+        except RedisError as exc:  # Redis away at start: the heartbeat task keeps trying
+            log.warning("could not register the scheduler: %s", exc)
+        self._tasks = [asyncio.create_task(self._supervise(), name="supervisor"),
+                       asyncio.create_task(self._renew_leases(), name="leases")]
+
+    async def stop(self) -> None:
+        """Stop everything; leases are released so other schedulers can claim the workers at once."""
+        self.draining = True
+        await cancel_and_wait([*self._tasks, *self._engine_tasks.values(), *self._side_tasks.values(),
+                               *self._connecting.values()])
+        await self._heartbeat.stop()
+        for engine in list(self.engines.values()):
+            await engine.close()
+            await self._release(engine.worker_id)
+        self.engines.clear()
+
+    # -- queries --------------------------------------------------------------------------------------
+
+    def routable(self) -> list[WorkerEngine]:
+        """Engines that take new requests now."""
+        return [e for e in self.engines.values() if e.takes_requests]
+
+    @property
+    def room(self) -> int:
+        return sum(e.room for e in self.engines.values())
+
+    async def wait_connected(self, n: int, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while sum(e.connected for e in self.engines.values()) < n:
+            if loop.time() > deadline:
+                raise TimeoutError(f"fewer than {n} workers connected after {timeout_s}s")
+            await asyncio.sleep(0.05)
+
+    # -- supervisor -----------------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        while not cancel_requested():
+            try:
+                await self._supervise_once()
+            except Exception:  # never let the supervisor die: log and try again next pass
+                if cancel_requested():
+                    break
+                log.exception("supervisor pass failed")
+            await asyncio.sleep(self.settings.discovery_interval_s)
+
+    async def _supervise_once(self) -> None:
+        await self._reap()
+        s = self.settings
+        starving, live = False, set()
+        if s.workers:
+            candidates = [(address, None) for address in s.workers]
+            share = len(s.workers)
+        else:
+            found = await self._discover()
+            if found is None:
+                return  # registry unreadable: change nothing
+            candidates, share, starving, live = found
+        if not self.draining:
+            driving = sum(not e.releasing for e in self.engines.values()) + len(self._connecting)
+            for address, _worker_id in candidates:
+                if driving >= share:
+                    break
+                if address in self.engines or address in self._connecting:
+                    continue
+                self._connecting[address] = asyncio.create_task(self._connect(address), name=f"connect {address}")
+                driving += 1
+            if not s.workers:
+                self._rebalance(share, starving, live)
+        for engine in list(self.engines.values()):
+            if engine.releasing and engine.connected and engine.load == 0:  # lost ones are reaped
+                log.info("handing worker %s back (rebalancing)", engine.address)
+                await self._retire(engine)
+        num_workers = sum(e.connected for e in self.engines.values())
+        await self._heartbeat.update(SchedulerRecord(self._record.consumer, self._record.address, num_workers,
+                                                     0 if num_workers else self._stranded()))
+
+    async def _discover(self) -> tuple[list[tuple[str, str]], int, bool, set[str]] | None:
+        """Free registered workers (no lease, or ours) in a per-scheduler order, this scheduler's
+        fair share, whether another live scheduler strands requests without a worker, and the
+        ids of the registered workers; also probes driven workers whose registry entry expired."""
+        try:
+            records = await list_workers(self._redis, self._keys)
+            schedulers = await list_schedulers(self._redis, self._keys)
+            holders = await self._redis.mget([self._keys.lease(r.worker_id) for r in records]) if records else []
+        except RedisError as exc:
+            log.warning("worker registry unreadable: %s", exc)
+            return None
+        live = {r.worker_id for r in records}
+        lost = [e for e in self.engines.values() if e.connected and e.worker_id not in live]
+        if lost:
+            await asyncio.gather(*(self._probe(e) for e in lost))
+        num_schedulers = max(1, len({r.consumer for r in schedulers} | {self.settings.consumer}))
+        starving = any(r.num_workers == 0 and r.num_stranded > 0 for r in schedulers
+                       if r.consumer != self.settings.consumer)
+        share = math.ceil(len(records) / num_schedulers)
+        me = self.settings.consumer.encode()
+        free: list[WorkerRecord] = [r for r, h in zip(records, holders) if h is None or h == me]
+        self._rng.shuffle(free)  # two schedulers starting together do not race for the same worker
+        return [(r.address, r.worker_id) for r in free], share, starving, live
+
+    async def _probe(self, engine: WorkerEngine) -> None:
+        """A driven worker stopped heartbeating: lost unless it still answers its health check."""
+        if await engine.client.check_health(PROBE_TIMEOUT_S) is None:
+            engine.mark_lost("heartbeats stopped and the worker does not answer")
+        else:
+            log.warning("worker %s answers but its registry entry expired (its Redis link is down?)",
+                        engine.address)
+
+    def _rebalance(self, share: int, starving: bool, live: set[str]) -> None:
+        """Hand the least loaded worker back, one per pass: when over the fair share, once its
+        requests finish; when another scheduler holds requests but no worker at all (its worker
+        died: the dead worker may still count in the share until its registry entry expires) and
+        this one has two or more, at once (its requests resume on our other workers). Only workers in the
+        registry (``live`` ids) count: one whose entry expired is being probed, not rebalanced."""
+        active = [e for e in self.engines.values() if not e.releasing and e.connected and e.worker_id in live]
+        urgent = starving and len(active) >= 2
+        if len(active) <= share and not urgent:
+            return
+        engine = min(active, key=lambda e: e.load)
+        engine.releasing = True
+        if urgent or engine.load == 0:
+            log.info("driving %d workers, fair share %d%s: releasing %s now (%d requests resume on the others)",
+                     len(active), share, ", another scheduler has none" if urgent else "", engine.address,
+                     engine.load)
+            engine.mark_lost("released to another scheduler (rebalancing)")
+        else:
+            log.info("driving %d workers, fair share %d: releasing %s once its %d requests finish",
+                     len(active), share, engine.address, engine.load)
+
+    async def _reap(self) -> None:
+        """Forget engines whose loop ended (worker lost: requests already handed back)."""
+        for address, task in list(self._engine_tasks.items()):
+            if task.done():
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("engine of %s stopped", address, exc_info=task.exception())
+                await self._retire(self.engines[address])
+
+    async def _retire(self, engine: WorkerEngine) -> None:
+        address = engine.address
+        task = self._engine_tasks.pop(address, None)
+        if task is not None and not task.done():
+            await cancel_and_wait([task])
+        side = self._side_tasks.pop(address, None)
+        if side is not None:
+            side.cancel()
+        self.engines.pop(address, None)
+        await engine.close()
+        await self._release(engine.worker_id)
+
+    async def _release(self, worker_id: str) -> None:
+        try:
+            await self.leases.release(worker_id)
+        except RedisError as exc:  # it expires on its own
+            log.warning("could not release the lease of worker %s: %s", worker_id, exc)
+
+    # -- leases ---------------------------------------------------------------------------------------
+
+    async def _renew_leases(self) -> None:
+        period = self.settings.lease_ttl_s / 3
+        while not cancel_requested():
+            await asyncio.sleep(period)
+            engines = [e for e in self.engines.values() if e.connected]
+            try:
+                held = await self.leases.renew([e.worker_id for e in engines])
+            except RedisError as exc:
+                log.warning("renewing worker leases failed: %s", exc)
+                continue
+            for engine in engines:
+                if not held.get(engine.worker_id, True):
+                    engine.mark_lost("its lease is held by another scheduler")
+
+    # -- connecting -----------------------------------------------------------------------------------
+
+    async def _connect(self, address: str) -> None:
+        try:
+            await self._connect_inner(address)
+        finally:
+            self._connecting.pop(address, None)
+
+    async def _connect_inner(self, address: str) -> None:
+        s = self.settings
+        claimed: list[str] = []
+
+        async def claim(description) -> bool:
+            if await self.leases.acquire(description.worker_id):
+                claimed.append(description.worker_id)
+                return True
+            return False
+
+        try:
+            client, description = await connect(address, timeout_s=CONNECT_TIMEOUT_S, claim=claim)
+        except LeaseRefusedError as exc:
+            log.debug("%s", exc)
+            return
+        except (grpc.aio.AioRpcError, WorkerLostError, asyncio.TimeoutError, RedisError) as exc:
+            level = logging.DEBUG if address in self._refused else logging.WARNING
+            reason = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.log(level, "cannot drive worker %s: %s", address, reason)
+            self._refused.add(address)
+            for worker_id in claimed:
+                await self._release(worker_id)
+            return
+        self._refused.discard(address)
+        if self.draining:
+            await client.close()
+            await self._release(description.worker_id)
+            return
+        info = description.info
+        config = SchedulerConfig(
+            max_num_batched_tokens=min(s.max_num_batched_tokens or description.max_num_batched_tokens,
+                                       description.max_num_batched_tokens),
+            max_num_seqs=min(s.max_num_seqs or description.max_num_seqs, description.max_num_seqs),
+            long_prefill_token_threshold=s.long_prefill_token_threshold,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+            enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
+        try:
+            core = Scheduler(config, info, seed_rng=random.Random(self._rng.getrandbits(64)))
+        except ValueError as exc:  # settings that cannot work with this worker (InvalidParameterError)
+            log.error("cannot drive worker %s with these settings: %s", address, exc)
+            await client.close()
+            await self._release(description.worker_id)
+            return
+        engine = WorkerEngine(client, description, core, self._queue,
+                              max_queued=s.max_queued_per_worker or config.max_num_seqs,
+                              on_finished=self._on_finished, on_lost=self._on_lost)
+        self.engines[address] = engine
+        self._engine_tasks[address] = asyncio.create_task(engine.run(), name=f"engine {address}")
+        self._side_tasks[address] = asyncio.create_task(
+            client.watch_health(lambda serving, e=engine: self._on_worker_health(e, serving)),
+            name=f"health {address}")
+        log.info("driving worker %s (%s, id %s): %d KV blocks of %d tokens, max_model_len %d, "
+                 "batch %d seqs / %d tokens", address, info.model, description.worker_id, info.num_blocks,
+                 info.block_size, info.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
+        self._on_change()
+
+    def _on_worker_health(self, engine: WorkerEngine, serving: bool) -> None:
+        if engine.accepting != serving and engine.connected:
+            log.info("worker %s %s", engine.address, "accepts requests" if serving else "is draining")
+        engine.accepting = serving
+        if serving:
+            self._on_change()

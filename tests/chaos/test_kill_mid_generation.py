@@ -1,0 +1,196 @@
+"""kill -9 a worker, then a scheduler, then a gateway — then restart Redis and freeze a worker —
+each while 16 greedy streams are mid-generation: every stream completes, each output index
+arrives exactly once, the tokens equal the in-process engine's (a run without faults), and every
+surviving worker's block pool returns to all free.
+
+One stack of processes for the module (3 workers, 2 schedulers, 2 gateways); each test breaks one
+more piece of it and checks what survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+
+import pytest
+
+from pagedserve.admin import async_scheduler_stats
+from pagedserve.aio_client import AsyncClient
+from pagedserve.local_cluster import LocalCluster
+from scheduler_service.core.sampling_params import SamplingParams
+
+from .conftest import wait_for_async
+
+pytestmark = [pytest.mark.chaos, pytest.mark.service, pytest.mark.slow, pytest.mark.asyncio]
+
+NUM_STREAMS = 16
+MAX_TOKENS = 160
+TOKENS_BEFORE_KILL = 8
+PROMPTS = [f"Stream {i}: the lighthouse keeper counted the ships" for i in range(NUM_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> list[list[int]]:
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outputs]
+
+
+@dataclasses.dataclass
+class StreamLog:
+    indices: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, chunk) -> None:
+        self.indices.extend(range(chunk.first_index, chunk.first_index + len(chunk.token_ids)))
+        self.tokens.extend(chunk.token_ids)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+
+
+async def streams_with_a_fault(gateways: list[str], fault) -> list[StreamLog]:
+    """Run the 16 streams; once every one has some tokens and none has finished, ``await fault()``."""
+    logs = [StreamLog() for _ in PROMPTS]
+    async with AsyncClient(gateways, timeout=120) as client:
+        async def one(i: int) -> None:
+            async with client.stream(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True) as stream:
+                async for chunk in stream:
+                    logs[i].add(chunk)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(NUM_STREAMS)]
+
+        async def all_started() -> bool:
+            for task in tasks:
+                if task.done():
+                    task.result()  # a stream that failed early fails the test with its error
+            return all(len(log.tokens) >= TOKENS_BEFORE_KILL for log in logs)
+
+        await wait_for_async(all_started, 60, f"every stream has {TOKENS_BEFORE_KILL} tokens")
+        assert not any(log.finish_reason for log in logs), "a stream finished before the kill"
+        await fault()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    return logs
+
+
+def assert_exactly_the_fault_free_outputs(logs: list[StreamLog], expected: list[list[int]]) -> None:
+    for i, (log, want) in enumerate(zip(logs, expected)):
+        assert log.indices == list(range(MAX_TOKENS)), f"stream {i}: indices missing or repeated"
+        assert log.tokens == want, f"stream {i}: tokens differ from the run without faults"
+        assert log.finish_reason == "length"
+
+
+async def held_requests(stack: LocalCluster) -> dict[str, int]:
+    """Worker address -> requests its scheduler holds on it (running + waiting)."""
+    held: dict[str, int] = {}
+    for scheduler in stack.live("scheduler"):
+        for w in (await async_scheduler_stats(scheduler.address)).workers:
+            held[w.address] = w.num_running + w.num_waiting
+    return held
+
+
+async def assert_surviving_pools_all_free(stack: LocalCluster) -> None:
+    """Every live worker is driven by a live scheduler, and each one's block pool is all free."""
+    live_workers = {w.address for w in stack.live("worker")}
+
+    async def settled() -> bool:
+        seen = {}
+        for scheduler in stack.live("scheduler"):
+            for w in (await async_scheduler_stats(scheduler.address)).workers:
+                if w.connected:
+                    seen[w.address] = w
+        return set(seen) == live_workers and all(w.all_free for w in seen.values())
+
+    await wait_for_async(settled, 30, "every surviving worker is driven and its block pool is all free", 0.2)
+
+
+async def test_kill_a_worker_mid_generation(chaos_stack: LocalCluster, expected):
+    stack = chaos_stack
+    gateways = [g.address for g in stack.live("gateway")]
+
+    async def kill_busiest_worker() -> None:
+        held = await held_requests(stack)
+        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
+        assert held.get(victim.address, 0) > 0
+        stack.kill(victim)
+
+    logs = await streams_with_a_fault(gateways, kill_busiest_worker)
+    assert_exactly_the_fault_free_outputs(logs, expected)
+    assert len(stack.live("worker")) == 2
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_kill_a_scheduler_mid_generation(chaos_stack: LocalCluster, expected):
+    stack = chaos_stack
+    gateways = [g.address for g in stack.live("gateway")]
+
+    async def kill_busiest_scheduler() -> None:
+        load = {s.name: (await async_scheduler_stats(s.address)) for s in stack.live("scheduler")}
+        victim = max(stack.live("scheduler"), key=lambda s: load[s.name].num_running + load[s.name].num_waiting)
+        assert load[victim.name].num_running > 0
+        stack.kill(victim)
+
+    logs = await streams_with_a_fault(gateways, kill_busiest_scheduler)
+    assert_exactly_the_fault_free_outputs(logs, expected)
+    survivor = stack.live("scheduler")
+    assert len(survivor) == 1
+    assert (await async_scheduler_stats(survivor[0].address)).num_reclaimed > 0
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_kill_a_gateway_mid_generation(chaos_stack: LocalCluster, expected):
+    stack = chaos_stack
+    gateways = [g.address for g in stack.live("gateway")]
+    first = stack.live("gateway")[0]  # the SDK streams through the first address it is given
+
+    async def kill_first_gateway() -> None:
+        stack.kill(first)
+
+    logs = await streams_with_a_fault(gateways, kill_first_gateway)
+    assert_exactly_the_fault_free_outputs(logs, expected)
+    assert len(stack.live("gateway")) == 1
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_restart_redis_mid_generation(chaos_stack: LocalCluster, expected):
+    """kill -9 Redis and start it again on its append-only file: streams pause, then finish."""
+    stack = chaos_stack
+    gateways = [g.address for g in stack.live("gateway")]
+
+    async def restart_redis() -> None:
+        port = stack.redis.port
+        stack.kill(stack.redis)
+        await asyncio.sleep(0.5)  # an outage, not just a blip
+        await asyncio.to_thread(stack.start_redis, port)
+
+    logs = await streams_with_a_fault(gateways, restart_redis)
+    assert_exactly_the_fault_free_outputs(logs, expected)
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_freeze_a_worker_mid_generation(chaos_stack: LocalCluster, expected):
+    """SIGSTOP a worker: its stream stays open but its heartbeats stop; once its registry entry
+    expires and it does not answer a health check, its requests resume elsewhere. Thawed, it
+    registers again and is driven again with an empty pool."""
+    stack = chaos_stack
+    gateways = [g.address for g in stack.live("gateway")]
+    frozen = []
+
+    async def freeze_busiest_worker() -> None:
+        held = await held_requests(stack)
+        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
+        assert held.get(victim.address, 0) > 0
+        os.killpg(victim.popen.pid, signal.SIGSTOP)
+        frozen.append(victim)
+
+    before = {s.name: await async_scheduler_stats(s.address) for s in stack.live("scheduler")}
+    try:
+        logs = await streams_with_a_fault(gateways, freeze_busiest_worker)
+    finally:
+        for victim in frozen:
+            os.killpg(victim.popen.pid, signal.SIGCONT)
+    assert_exactly_the_fault_free_outputs(logs, expected)
+    after = {s.name: await async_scheduler_stats(s.address) for s in stack.live("scheduler")}
+    assert sum(after[n].num_resumed - before[n].num_resumed for n in after) > 0  # moved by its scheduler...
+    assert all(after[n].num_reclaimed == before[n].num_reclaimed for n in after)  # ...not taken over
+    await assert_surviving_pools_all_free(stack)
