@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from collections.abc import Mapping, Sequence
 
 from pagedserve.flags import add_common_flags, add_flag
-from pagedserve.serving import configure_logging, wait_for_signal
+from pagedserve.serving import service_main
 from gateway_service.settings import DEFAULT_PORT, GatewaySettings
 
 log = logging.getLogger("pagedserve.gateway")
@@ -115,26 +114,11 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         redis_outage_s=args.redis_outage_s, **extra)
 
 
-async def run(settings: GatewaySettings) -> None:
-    app = GatewayApp(settings)
-    await app.start()
-    sig = await wait_for_signal()
-    log.info("signal %d: draining (grace %.0fs)", sig, settings.drain_grace_s)
-    await app.drain()
-    log.info("gateway stopped")
-
+def make_app(settings: GatewaySettings) -> GatewayApp:
+    return GatewayApp(settings)
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    args = build_parser(env).parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"pagedserve gateway: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(run(settings))
-    return 0
+    return service_main("gateway", build_parser, settings_from_args, make_app, argv, env)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import inspect
 import logging
+import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -194,3 +197,35 @@ async def wait_for_signal(signals: Iterable[int] = (signal.SIGTERM, signal.SIGIN
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+class _App(Protocol):
+    async def start(self) -> None: ...
+    async def drain(self) -> None: ...
+
+
+def service_main(name: str, build_parser: Callable[[Mapping[str, str]], argparse.ArgumentParser],
+                 settings_from_args: Callable[[argparse.Namespace], Any], make_app: Callable[[Any], _App],
+                 argv: Sequence[str] | None, env: Mapping[str, str] | None) -> int:
+    """The ``main()`` every service shares: flags + ``PAGEDSERVE_*`` env → frozen settings (a bad
+    value exits 2 with the message), then start the app, serve until SIGTERM/SIGINT and drain it
+    within the settings' ``drain_grace_s``."""
+    env = os.environ if env is None else env
+    args = build_parser(env).parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"pagedserve {name}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve_until_signal(name, make_app(settings), settings.drain_grace_s))
+    return 0
+
+
+async def _serve_until_signal(name: str, app: _App, grace_s: float) -> None:
+    service_log = logging.getLogger(f"pagedserve.{name}")
+    await app.start()
+    sig = await wait_for_signal()
+    service_log.info("signal %d: draining (grace %.0fs)", sig, grace_s)
+    await app.drain()
+    service_log.info("%s stopped", name)

@@ -7,14 +7,12 @@ are frozen into :class:`~scheduler_service.settings.SchedulerSettings` once, her
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import os
 import sys
 from collections.abc import Mapping, Sequence
 
 from pagedserve.flags import add_common_flags, add_flag
-from pagedserve.serving import configure_logging, wait_for_signal
+from pagedserve.serving import service_main
 from scheduler_service.core.config import POLICIES
 from scheduler_service.settings import DEFAULT_PORT, SchedulerSettings, default_consumer
 
@@ -74,28 +72,13 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         lease_ttl_s=args.lease_ttl_s, reclaim_idle_s=args.reclaim_idle_s, max_retries=args.max_retries)
 
 
-async def run(settings: SchedulerSettings) -> None:
-    from scheduler_service.service import SchedulerApp
+def make_app(settings: SchedulerSettings):
+    from scheduler_service.service import SchedulerApp  # heavy: kept out of ``--help``
 
-    app = SchedulerApp(settings)
-    await app.start()
-    sig = await wait_for_signal()
-    log.info("signal %d: draining (grace %.0fs)", sig, settings.drain_grace_s)
-    await app.drain()
-    log.info("scheduler stopped")
-
+    return SchedulerApp(settings)
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    args = build_parser(env).parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"pagedserve scheduler: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(run(settings))
-    return 0
+    return service_main("scheduler", build_parser, settings_from_args, make_app, argv, env)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 import uuid
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pagedserve.flags import add_common_flags, add_flag
 from pagedserve.redis_keys import RedisKeys
 from pagedserve.registry import Heartbeat, WorkerRecord
-from pagedserve.serving import configure_logging, wait_for_signal
+from pagedserve.serving import service_main
 from worker_service.config import ATTENTION_BACKENDS, DTYPES, ModelRunnerConfig
 
 log = logging.getLogger("pagedserve.worker")
@@ -203,26 +202,11 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         drain_grace_s=args.drain_grace_s, step_delay_s=args.step_delay_s, simulate_step_latency=simulate, **extra)
 
 
-async def run(settings: WorkerSettings) -> None:
-    app = WorkerApp(settings)
-    await app.start()
-    sig = await wait_for_signal()
-    log.info("signal %d: draining (grace %.0fs)", sig, settings.drain_grace_s)
-    await app.drain()
-    log.info("worker stopped")
-
+def make_app(settings: WorkerSettings) -> WorkerApp:
+    return WorkerApp(settings)
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    args = build_parser(env).parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"pagedserve worker: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(run(settings))
-    return 0
+    return service_main("worker", build_parser, settings_from_args, make_app, argv, env)
 
 
 if __name__ == "__main__":
