@@ -27,7 +27,7 @@ import grpc
 from pagedserve import convert
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
-from pagedserve.failover import Failover, is_transient, parse_addresses
+from pagedserve.failover import StreamCall, is_transient, parse_addresses
 from pagedserve.pb import generation_pb2, generation_pb2_grpc
 from pagedserve.serving import CHANNEL_OPTIONS
 
@@ -41,23 +41,10 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
 DEFAULT_RETRIES = 5  # consecutive tries without progress (backoff 0.2 s doubling, at most 2 s)
 
 
-class AsyncStream:
+class AsyncStream(StreamCall):
     """An async iterator of :class:`Chunk`; ``aclose()`` (or leaving ``async with``) cancels the
     call, which aborts the request on the server. A call broken by a gateway failure is resumed on
     the next gateway (:mod:`pagedserve.failover`): every output index arrives exactly once."""
-
-    def __init__(self, stubs, request, *, timeout: float | None, retries: int) -> None:
-        self._stubs = stubs  # one per gateway address, in the client's order
-        self._request = request
-        self._failover = Failover(request, len(stubs), retries=retries, timeout=timeout)
-        self._timeout = timeout
-        self._call = None
-        self._done = False
-        self.request_id = request.request_id
-
-    def _start(self) -> None:
-        timeout = self._failover.remaining() if self._timeout is not None else None
-        self._call = self._stubs[self._failover.address_index].Generate(self._request, timeout=timeout)
 
     def __aiter__(self) -> AsyncStream:
         return self

@@ -22,27 +22,14 @@ from pagedserve import convert
 from pagedserve.aio_client import CLIENT_CHANNEL_OPTIONS, DEFAULT_ADDRESS, DEFAULT_RETRIES
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
-from pagedserve.failover import Failover, is_transient, parse_addresses
+from pagedserve.failover import StreamCall, is_transient, parse_addresses
 from pagedserve.pb import generation_pb2, generation_pb2_grpc
 
 
-class Stream:
+class Stream(StreamCall):
     """An iterator of :class:`Chunk`; ``close()`` (or leaving ``with``) cancels the call, which
     aborts the request on the server. A call broken by a gateway failure is resumed on the next
     gateway (:mod:`pagedserve.failover`): every output index arrives exactly once."""
-
-    def __init__(self, stubs, request, *, timeout: float | None, retries: int) -> None:
-        self._stubs = stubs  # one per gateway address, in the client's order
-        self._request = request
-        self._failover = Failover(request, len(stubs), retries=retries, timeout=timeout)
-        self._timeout = timeout
-        self._call = None
-        self._done = False
-        self.request_id = request.request_id
-
-    def _start(self) -> None:
-        timeout = self._failover.remaining() if self._timeout is not None else None
-        self._call = self._stubs[self._failover.address_index].Generate(self._request, timeout=timeout)
 
     def __iter__(self) -> Stream:
         return self

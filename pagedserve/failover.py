@@ -83,6 +83,24 @@ class Failover:
         return delay
 
 
+class StreamCall:
+    """What a sync and an async stream share: one Generate call at a time, on the gateway the
+    :class:`Failover` points at, with the time left of the stream's deadline."""
+
+    def __init__(self, stubs, request, *, timeout: float | None, retries: int) -> None:
+        self._stubs = stubs  # one per gateway address, in the client's order
+        self._request = request
+        self._failover = Failover(request, len(stubs), retries=retries, timeout=timeout)
+        self._timeout = timeout
+        self._call = None
+        self._done = False
+        self.request_id = request.request_id
+
+    def _start(self) -> None:
+        timeout = self._failover.remaining() if self._timeout is not None else None
+        self._call = self._stubs[self._failover.address_index].Generate(self._request, timeout=timeout)
+
+
 def parse_addresses(address) -> list[str]:
     """``"h1:p1,h2:p2"`` or a sequence of ``host:port`` -> a non-empty list."""
     items = address.split(",") if isinstance(address, str) else list(address)
