@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -86,10 +87,13 @@ class AsyncStream(StreamCall):
         await self.aclose()
 
 
-class AsyncClient:
-    """Channels to one or more gateways (``"h1:p1,h2:p2"`` or a list; streams fail over between
-    them in order); safe to share between tasks. ``timeout`` is the default deadline of each call
-    in seconds, all retries included (None: none)."""
+class GatewayClientBase:
+    """What the sync and async clients share: one channel and stub per gateway address, and
+    building a stream's request with a client-chosen id. Subclasses name their channel factory
+    and stream class."""
+
+    _stream_class: type[StreamCall]
+    _open_channel: Callable[..., Any]
 
     def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
                  retries: int = DEFAULT_RETRIES) -> None:
@@ -97,17 +101,27 @@ class AsyncClient:
         self.address = self.addresses[0]
         self.timeout = timeout
         self.retries = retries
-        self._channels = [grpc.aio.insecure_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
+        self._channels = [self._open_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
         self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
 
     def stream(self, prompt=None, *, messages=None, request_id: str | None = None,
-               timeout: float | None = None, **kwargs) -> AsyncStream:
+               timeout: float | None = None, **kwargs):
         """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat. The request
         id is chosen here (unless given), so the stream can be resumed on another gateway."""
         request = convert.build_generate_request(
             prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
-        return AsyncStream(self._stubs, request, timeout=timeout if timeout is not None else self.timeout,
-                           retries=self.retries)
+        return self._stream_class(self._stubs, request,
+                                  timeout=timeout if timeout is not None else self.timeout,
+                                  retries=self.retries)
+
+
+class AsyncClient(GatewayClientBase):
+    """Channels to one or more gateways (``"h1:p1,h2:p2"`` or a list; streams fail over between
+    them in order); safe to share between tasks. ``timeout`` is the default deadline of each call
+    in seconds, all retries included (None: none)."""
+
+    _stream_class = AsyncStream
+    _open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
         """Generate and return the whole completion."""

