@@ -5,6 +5,11 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 
+# A C compiler for the CPU path's decode-attention kernel (kernels/csrc/), built with -march=native
+# on the host that runs the container, at first use (cached in the user's ~/.cache).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first (cached across source edits): torch is the big layer.
 COPY pyproject.toml README.md ./
 RUN pip install "torch>=2.11,<2.15" "grpcio-tools>=1.85,<2" \

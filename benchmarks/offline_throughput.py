@@ -90,6 +90,7 @@ class PeakRSS:
 
 def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Namespace) -> dict:
     from pagedserve import LLM, SamplingParams
+    from worker_service import cpu_memory
 
     rss = PeakRSS()
     t0 = time.perf_counter()
@@ -119,6 +120,9 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
         "num_blocks": info.num_blocks,
         "block_size": info.block_size,
         "attention_backend": llm.runner.attention_backend,
+        # the runner's CPU memory placement (worker_service.cpu_memory): process-wide malloc tuning,
+        # applied when the engine starts, i.e. after the transformers phase of this script
+        "malloc_tuned": cpu_memory.tune_malloc() if llm.runner.device.type == "cpu" else False,
     }
     del llm
     return result

@@ -6,7 +6,9 @@
   ``kernels.reference.ref_paged_attention`` (torch).
 
 The Triton kernels run on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for tests); the torch
-references are both what the tests compare against and the CPU execution path.
+references are what the tests compare against and the CPU execution path, except that decode rows
+— memory-bound passes over the whole context — go to a C loop beside the reference when a C compiler
+is there (backend ``"cpu"``; the reference alone is ``"torch"``).
 
 Pick a pair with :func:`get_attention_ops` (``"auto"``: Triton when CUDA is available, else torch).
 Importing this package does not import Triton: CPU-only users import ``kernels.reference`` (or call
@@ -27,6 +29,11 @@ p % block_size``, i.e. at ``key_cache[slot // block_size, slot % block_size]``. 
   or part of one — the kernel's tile size is independent of ``block_size``;
 * it is vLLM's flash-attention layout, and what ``torch`` indexing needs for the reference path
   (``key_cache[block_ids]`` gathers whole blocks).
+
+That is the *logical* layout; every op takes strides, so the memory behind it may be ordered
+otherwise. On the CPU the worker stores it head-major (``[num_kv_heads, num_blocks, block_size,
+head_dim]`` memory, see ``worker_service.kv_cache``): the reference's gathers then copy contiguous
+per-head tiles and SDPA reads contiguous K/V.
 
 The original vLLM CUDA kernel (seed doc §1.2) uses ``[num_blocks, num_kv_heads, head_size/x,
 block_size, x]`` for K so that one CUDA thread group can issue 16-byte vector loads of ``x``
@@ -58,14 +65,29 @@ class AttentionOps(NamedTuple):
 
 
 def get_attention_ops(backend: str = "auto") -> AttentionOps:
-    """Return ``(reshape_and_cache, paged_attention, backend)`` for ``"torch"``, ``"triton"`` or
-    ``"auto"`` (Triton when ``torch.cuda.is_available()``, else the torch reference).
+    """Return ``(reshape_and_cache, paged_attention, backend)`` for ``"torch"``, ``"cpu"``,
+    ``"triton"`` or ``"auto"`` (Triton when ``torch.cuda.is_available()``; else ``"cpu"`` when its C
+    decode kernel builds on this machine; else the torch reference).
 
-    Triton is imported only here, only when chosen. Both backends take the same arguments; the
-    Triton ops need CUDA tensors (or the interpreter) and the torch ops run on any device.
+    Triton is imported only here, only when chosen. All backends take the same arguments; the
+    Triton ops need CUDA tensors (or the interpreter), the torch ops run on any device, and the
+    ``"cpu"`` ops run anywhere too but use C only for fp32 CPU tensors. ``"cpu"`` asked for on a
+    machine where the kernel can't be built gives the torch reference (``backend == "torch"``).
     """
     if backend == "auto":
-        backend = "triton" if torch.cuda.is_available() else "torch"
+        if torch.cuda.is_available():
+            backend = "triton"
+        else:
+            from kernels import cpu
+
+            backend = "cpu" if cpu.available() else "torch"
+    if backend == "cpu":
+        from kernels import cpu
+        from kernels.reference import ref_reshape_and_cache
+
+        if cpu.available():
+            return AttentionOps(ref_reshape_and_cache, cpu.cpu_paged_attention, "cpu")
+        backend = "torch"
     if backend == "torch":
         from kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
@@ -75,4 +97,4 @@ def get_attention_ops(backend: str = "auto") -> AttentionOps:
         from kernels.paged_attention import paged_attention
 
         return AttentionOps(reshape_and_cache, paged_attention, "triton")
-    raise ValueError(f"attention backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    raise ValueError(f"attention backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")

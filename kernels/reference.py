@@ -12,6 +12,10 @@ slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -33,10 +37,18 @@ def ref_reshape_and_cache(
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Advanced indexing on the two leading dims works for any strides (a flattened view might copy).
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim]
+        if by_head.is_contiguous():  # head-major storage: (head, slot) rows of one flat matrix
+            num_kv_heads, num_slots = by_head.shape[0], by_head.shape[1] * block_size
+            first = torch.arange(0, num_kv_heads * num_slots, num_slots, device=slots.device)
+            by_head.view(-1, cache.shape[3]).index_copy_(
+                0, (first[:, None] + slots).reshape(-1), rows.to(cache.dtype).transpose(0, 1).reshape(-1, cache.shape[3])
+            )
+        elif cache.is_contiguous():  # block-major: one row of all heads per slot
+            cache.view(-1, cache.shape[2] * cache.shape[3]).index_copy_(0, slots, rows.to(cache.dtype).flatten(1))
+        else:  # advanced indexing on the two leading dims works for any strides
+            cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
 
 
 def ref_paged_attention(
@@ -65,6 +77,26 @@ def ref_paged_attention(
     block ids (0, the null block, is fine), and the cache must hold no NaN/inf (zero-initialised).
     """
     del num_splits, max_query_len
+    return paged_attention_with(_decode, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                scale, out)
+
+
+DecodeFn = Callable[..., None]
+
+
+def paged_attention_with(
+    decode: DecodeFn,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`ref_paged_attention` with its decode rows handed to ``decode`` (same signature as
+    :func:`_decode`): prefill chunks run one sequence at a time through SDPA, decode rows batched."""
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
@@ -74,7 +106,7 @@ def ref_paged_attention(
     lens = seq_lens.to(device="cpu", dtype=torch.int64).tolist()
     q_lens = [qsl[s + 1] - qsl[s] for s in range(num_seqs)]
     if all(n == 1 for n in q_lens):  # pure decode: batched, no per-sequence loop
-        _decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
+        decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
         return out
 
     decode_seqs = [s for s in range(num_seqs) if q_lens[s] == 1]
@@ -82,7 +114,7 @@ def ref_paged_attention(
         index = torch.tensor(decode_seqs, device=query.device)
         rows = torch.tensor([qsl[s] for s in decode_seqs], device=query.device)
         decode_out = torch.empty_like(query[rows])
-        _decode(
+        decode(
             query[rows],
             key_cache,
             value_cache,
@@ -101,22 +133,81 @@ def ref_paged_attention(
     return out
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_positions: int) -> torch.Tensor:
-    """fp32 ``[*block_ids.shape[:-1], num_kv_heads, num_positions, head_dim]`` view of cached rows.
+class _Scratch(threading.local):
+    """Per-thread gather buffers, reused from layer to layer and step to step.
 
-    One ``index_select`` copy (plus a cast for 16-bit caches); the head transpose stays a view
-    because SDPA's CPU kernel reads strided K/V as fast as contiguous ones.
+    A decode step gathers tens of megabytes of K/V per layer; allocating that afresh each time costs
+    as much as the copy itself (fresh pages fault in). One buffer per role ("key", "value") and
+    dtype/device, grown on demand; a gathered view is only valid until the next gather of its role.
     """
-    lead = block_ids.shape[:-1]
-    rows = cache.index_select(0, block_ids.reshape(-1))  # [n, block_size, num_kv_heads, head_dim]
-    rows = rows.view(*lead, -1, cache.shape[2], cache.shape[3])[..., :num_positions, :, :]
-    return rows.float().transpose(-3, -2)
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, role: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (role, like.dtype, like.device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                buffer = self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape)
 
 
-# Decode gathers at most this many bytes of fp32 K (and as many of V) per group of sequences, so a
-# large batch with long contexts needs bounded scratch memory (256 sequences x 4k tokens would
-# otherwise gather gigabytes) at the cost of a few more SDPA calls.
-_DECODE_GATHER_BYTES = 16 << 20
+_scratch = _Scratch()
+
+
+def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """fp32 ``[*block_ids.shape[:-1], num_kv_heads, num_positions, head_dim]`` of cached rows.
+
+    One ``index_select`` copy into the reused scratch buffer of ``role`` (plus a cast for 16-bit
+    caches). With head-major storage (what ``allocate_kv_caches`` uses on the CPU) each (sequence,
+    head) comes out as one contiguous ``[num_positions, head_dim]`` matrix, the layout SDPA's CPU
+    kernel reads fastest; with block-major storage whole blocks are copied and the head axis is a
+    strided view.
+    """
+    lead = tuple(block_ids.shape[:-1])
+    ids = block_ids.reshape(-1)
+    by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim], a view
+    num_kv_heads, num_blocks, block_size, head_dim = by_head.shape
+    if by_head.is_contiguous():  # head-major storage: one flat gather of (head, block) tiles
+        rows = _scratch.get(role, cache, (num_kv_heads, ids.numel(), block_size, head_dim))
+        first = torch.arange(0, num_kv_heads * num_blocks, num_blocks, device=ids.device)
+        torch.index_select(by_head.reshape(-1, block_size, head_dim), 0, (first[:, None] + ids).reshape(-1),
+                           out=rows.view(-1, block_size, head_dim))
+        rows = rows.view(num_kv_heads, *lead, -1, head_dim).movedim(0, -3)
+    else:  # block-major (or other) storage: gather whole blocks, heads become a strided axis
+        rows = _scratch.get(role, cache, (ids.numel(), block_size, num_kv_heads, head_dim))
+        torch.index_select(cache, 0, ids, out=rows)
+        rows = rows.view(*lead, -1, num_kv_heads, head_dim).transpose(-3, -2)
+    rows = rows[..., :num_positions, :]  # [*lead, num_kv_heads, num_positions, head_dim]
+    return rows if rows.dtype == torch.float32 else rows.float()
+
+
+# Decode gathers at most this many bytes of K (and as many of V) per group of sequences, so a large
+# batch with long contexts needs bounded scratch memory (256 sequences x 4k tokens would otherwise
+# gather gigabytes) at the cost of a few more SDPA calls.
+_DECODE_GATHER_BYTES = 32 << 20
+# Decode groups sequences of similar context length (sorted), padding each group to its longest; a
+# new group starts when padding would exceed this fraction of the group's real context.
+_DECODE_PADDING = 0.15
+
+
+def _decode_groups(lens: list[int], bytes_per_position: int) -> list[list[int]]:
+    """Sequence indices in groups of similar length (ascending), each within the gather budget."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    total = 0
+    for s in sorted(range(len(lens)), key=lens.__getitem__):
+        n, longest = len(group) + 1, lens[s]
+        if group and (longest * n > (1 + _DECODE_PADDING) * (total + longest)
+                      or longest * n * bytes_per_position > _DECODE_GATHER_BYTES):
+            groups.append(group)
+            group, total = [], 0
+        group.append(s)
+        total += longest
+    groups.append(group)
+    return groups
 
 
 def _decode(
@@ -129,32 +220,28 @@ def _decode(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
 ) -> None:
-    """Groups of sequences at once: K/V gathered and padded to the group's longest context.
+    """Groups of sequences of similar length at once: K/V gathered and padded to the group's longest.
 
     The query heads sharing a KV head become SDPA's query-length axis (a decode row's mask is the
     same for all of them), so GQA needs no K/V repeat.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    bytes_per_seq = max(lens) * num_kv_heads * head_dim * 4
-    step = max(1, _DECODE_GATHER_BYTES // bytes_per_seq)
-    for first in range(0, num_seqs, step):
-        last = min(first + step, num_seqs)
-        max_len = max(lens[first:last])
-        block_ids = block_tables[first:last, : -(-max_len // block_size)].long()
-        k = _gather(key_cache, block_ids, max_len)  # [n, num_kv_heads, max_len, head_dim]
-        v = _gather(value_cache, block_ids, max_len)
-        positions = torch.arange(max_len, device=query.device)
-        valid = positions[None, :] < seq_lens[first:last, None].to(positions.dtype)
-        o = F.scaled_dot_product_attention(
-            query[first:last].float().view(last - first, num_kv_heads, group, head_dim),
-            k,
-            v,
-            attn_mask=valid[:, None, None, :],  # [n, 1, 1, max_len]
-            scale=scale,
-        )
-        out[first:last] = o.view(last - first, num_heads, head_dim)
+    group_size = num_heads // num_kv_heads
+    grouped_query = query.view(num_seqs, num_kv_heads, group_size, head_dim)
+    for group in _decode_groups(lens, num_kv_heads * head_dim * key_cache.element_size()):
+        n, longest = len(group), lens[group[-1]]
+        index = torch.tensor(group, device=query.device)
+        block_ids = block_tables.index_select(0, index)[:, : -(-longest // block_size)].long()
+        k = _gather("key", key_cache, block_ids, longest)  # [n, num_kv_heads, longest, head_dim]
+        v = _gather("value", value_cache, block_ids, longest)
+        mask = None
+        if lens[group[0]] != longest:
+            positions = torch.arange(longest, device=query.device)
+            mask = (positions < seq_lens.index_select(0, index)[:, None])[:, None, None, :]  # [n, 1, 1, L]
+        o = F.scaled_dot_product_attention(grouped_query.index_select(0, index).float(), k, v,
+                                           attn_mask=mask, scale=scale)
+        out.index_copy_(0, index, o.reshape(n, num_heads, head_dim).to(out.dtype))
 
 
 def _prefill(
@@ -165,21 +252,28 @@ def _prefill(
     seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim] fp32
-    """One sequence's chunk: contiguous K/V, causal mask offset by the context already cached."""
+    """One sequence's chunk: contiguous K/V, causal mask offset by the context already cached.
+
+    A chunk with no cached context is plain causal attention (``is_causal``: the kernel skips the
+    masked half); SDPA gets a batch axis because its CPU kernel parallelises 4-D inputs better.
+    """
     q_len, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     block_ids = block_table[: -(-seq_len // block_size)].long()
-    k = _gather(key_cache, block_ids, seq_len)  # [num_kv_heads, seq_len, head_dim]
-    v = _gather(value_cache, block_ids, seq_len)
-    query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-    key_pos = torch.arange(seq_len, device=query.device)
-    allowed = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+    k = _gather("key", key_cache, block_ids, seq_len)  # [num_kv_heads, seq_len, head_dim]
+    v = _gather("value", value_cache, block_ids, seq_len)
+    mask = None
+    if q_len != seq_len:
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
     o = F.scaled_dot_product_attention(
-        query.float().transpose(0, 1),  # [num_heads, q_len, head_dim]
-        k,
-        v,
-        attn_mask=allowed,
+        query.float().transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
+        k[None],
+        v[None],
+        attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)

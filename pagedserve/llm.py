@@ -74,7 +74,7 @@ class LLM:
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``policy``, ``kv_cache_memory``
     ("2GiB"), ``gpu_memory_fraction``, ``num_blocks`` (overrides the memory budget),
-    ``attention_backend`` (auto | torch | triton), ``tokenizer`` (another name to load the tokenizer
+    ``attention_backend`` (auto | torch | cpu | triton), ``tokenizer`` (another name to load the tokenizer
     from), ``skip_tokenizer_init`` (token-id prompts only; ``text`` stays empty), ``hf_model`` (an
     already loaded transformers model of ``model``: its weights are reused instead of loaded again).
     """

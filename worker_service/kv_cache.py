@@ -1,13 +1,15 @@
 """Size and allocate the paged KV cache: one key and one value tensor per layer, allocated once.
 
-Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the kernels' layout). All
-layers live in one tensor so the cache is a single allocation; block 0 is the reserved null block.
+Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (the kernels' layout; the
+memory order behind it is per device, see :func:`allocate_kv_caches`). All layers live in one tensor
+so the cache is a single allocation; block 0 is the reserved null block.
 """
 
 from __future__ import annotations
 
 import torch
 
+from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig, parse_memory
 from worker_service.models.llama import DecoderConfig
 
@@ -53,12 +55,26 @@ def _activation_reserve(config: ModelRunnerConfig, cfg: DecoderConfig, dtype: to
 
 
 def allocate_kv_caches(
-    cfg: DecoderConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    cfg: DecoderConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    *, head_major: bool | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-    Zero-filled so unused slots never hold NaN/inf (a masked score times a NaN value is still NaN).
+    That is the logical layout every kernel indexes by; the memory order behind it is chosen per
+    device. ``head_major`` (default: on the CPU) stores ``[num_kv_heads, num_blocks, block_size,
+    head_dim]`` and hands out the permuted view: the torch attention path then gathers a sequence's
+    blocks as contiguous per-head tiles and its SDPA reads contiguous K/V (about 2x faster decode
+    attention on the CPU than block-major storage). On CUDA the Triton kernels get plain block-major
+    memory. Zero-filled so unused slots never hold NaN/inf (a masked score times a NaN value is
+    still NaN).
     """
-    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    storage = torch.zeros(shape, dtype=dtype, device=device)
+    if head_major is None:
+        head_major = device.type == "cpu"
+    kvh, dh = cfg.num_kv_heads, cfg.head_dim
+    if head_major:
+        storage = cpu_memory.zeros((cfg.num_layers, 2, kvh, num_blocks, block_size, dh), dtype, device)
+        storage = storage.permute(0, 1, 3, 4, 2, 5)  # the logical [L, 2, num_blocks, block_size, KVH, Dh]
+    else:
+        storage = cpu_memory.zeros((cfg.num_layers, 2, num_blocks, block_size, kvh, dh), dtype, device)
     return [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]
+

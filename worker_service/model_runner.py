@@ -21,6 +21,7 @@ import torch
 from kernels import get_attention_ops
 from scheduler_service.core.errors import InvalidParameterError
 from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
+from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
 from worker_service.kv_cache import allocate_kv_caches, determine_num_blocks
@@ -46,8 +47,10 @@ def default_device() -> torch.device:
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``auto``: Triton on CUDA; on the CPU, ``cpu`` (C decode beside the reference; it falls back
+    to ``torch`` by itself where no C compiler is)."""
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     return backend
 
 
@@ -73,6 +76,8 @@ class ModelRunner:
             raise InvalidParameterError("max_model_len", f"{self.max_model_len} exceeds the model's "
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            cpu_memory.tune_malloc()
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)

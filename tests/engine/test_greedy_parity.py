@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kernels import cpu
 from pagedserve import LLM, SamplingParams
 from worker.factories import hf_greedy, random_prompts
 
@@ -23,6 +24,8 @@ TINY_MODES = {
 
 def run_mode(model: str, prompts, mode: dict, **kwargs):
     llm = LLM(model, skip_tokenizer_init=True, **mode, **kwargs)
+    if kwargs.get("attention_backend") == "cpu" and cpu.available():
+        assert llm.runner.attention_backend == "cpu"
     outputs = llm.generate(prompts, GREEDY)
     return [o.token_ids for o in outputs], llm.scheduler.stats().num_preemptions
 
@@ -45,10 +48,11 @@ def tiny_references(tiny_llama, tiny_qwen2):
 
 @pytest.mark.parametrize("mode", sorted(TINY_MODES))
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tiny_model_greedy_matches_transformers(family, mode, tiny_llama, tiny_qwen2, tiny_references):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])  # C decode rows, and the reference alone
+def test_tiny_model_greedy_matches_transformers(backend, family, mode, tiny_llama, tiny_qwen2, tiny_references):
     prompts, references = tiny_references
     model = {"llama": tiny_llama, "qwen2": tiny_qwen2}[family]
-    outputs, preemptions = run_mode(model.path, prompts, TINY_MODES[mode])
+    outputs, preemptions = run_mode(model.path, prompts, TINY_MODES[mode], attention_backend=backend)
     check_mode(mode, outputs, preemptions, references[family])
 
 

@@ -47,8 +47,13 @@ def make_paged_batch(
     dtype: torch.dtype = torch.float32,
     num_blocks: int = 512,
     seed: int = 0,
+    head_major: bool = False,
 ) -> PagedBatch:
-    """Sequence ``s`` has ``seq_lens[s]`` tokens in the cache; the last ``q_lens[s]`` are new."""
+    """Sequence ``s`` has ``seq_lens[s]`` tokens in the cache; the last ``q_lens[s]`` are new.
+
+    ``head_major``: the caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` views of
+    ``[num_kv_heads, num_blocks, block_size, head_dim]`` memory, as the worker allocates them on the CPU.
+    """
     assert all(0 < q <= n for q, n in zip(q_lens, seq_lens, strict=True))
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -61,10 +66,15 @@ def make_paged_batch(
         owned = owned[n:]
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    key_cache, value_cache = (torch.randn(cache_shape, generator=gen).to(dtype) for _ in range(2))
+    if head_major:
+        key_cache, value_cache = (c.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+                                  for c in (key_cache, value_cache))
     return PagedBatch(
-        query=torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype),
-        key_cache=torch.randn(cache_shape, generator=gen).to(dtype),
-        value_cache=torch.randn(cache_shape, generator=gen).to(dtype),
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
         block_tables=block_tables.to(torch.int32),
         query_start_loc=query_start_loc.to(torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),

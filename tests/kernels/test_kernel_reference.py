@@ -45,10 +45,13 @@ def causal_attention_on_contiguous_kv(batch) -> torch.Tensor:
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ref_paged_attention_matches_causal_sdpa(paged_batch, shape, gqa, block_size, dtype):
+@pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
+def test_ref_paged_attention_matches_causal_sdpa(paged_batch, shape, gqa, block_size, dtype, head_major):
     batch = paged_batch(
-        **shape, num_heads=2 * gqa, num_kv_heads=2, head_dim=32, block_size=block_size, dtype=dtype
+        **shape, num_heads=2 * gqa, num_kv_heads=2, head_dim=32, block_size=block_size, dtype=dtype,
+        head_major=head_major,
     )
+    assert batch.key_cache.permute(2, 0, 1, 3).is_contiguous() == head_major
 
     out = ref_paged_attention(*batch.args())
 
@@ -79,11 +82,46 @@ def test_ref_decode_handles_more_sequences_than_one_gather_holds(paged_batch, mo
     torch.testing.assert_close(out, causal_attention_on_contiguous_kv(batch), atol=1e-5, rtol=1e-5)
 
 
+def test_decode_groups_sort_by_length_and_bound_padding():
+    from kernels.reference import _DECODE_PADDING, _decode_groups
+
+    lens = [500, 3, 40, 480, 41, 39, 1, 510, 100]
+    groups = _decode_groups(lens, bytes_per_position=1)
+
+    assert sorted(s for g in groups for s in g) == list(range(len(lens)))
+    flat = [lens[s] for g in groups for s in g]
+    assert flat == sorted(lens)
+    for g in groups:
+        longest, total = max(lens[s] for s in g), sum(lens[s] for s in g)
+        assert len(g) == 1 or longest * len(g) <= (1 + _DECODE_PADDING) * total
+    assert [lens[s] for s in groups[-1]] == [480, 500, 510]  # the long ones share one gather
+
+
+def test_ref_gathers_reuse_scratch_between_calls(paged_batch):
+    """Two calls in a row (as two layers of one step) each see their own cache, not stale scratch."""
+    first = paged_batch(**DECODE, head_major=True, seed=1)
+    second = paged_batch(**DECODE, head_major=True, seed=2)
+
+    out_first = ref_paged_attention(*first.args()).clone()
+    out_second = ref_paged_attention(*second.args())
+
+    torch.testing.assert_close(out_first, causal_attention_on_contiguous_kv(first), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_second, causal_attention_on_contiguous_kv(second), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_ref_reshape_and_cache_writes_each_slot_and_skips_minus_one(slot_dtype):
+@pytest.mark.parametrize("storage", ["block-major", "head-major", "strided"])
+def test_ref_reshape_and_cache_writes_each_slot_and_skips_minus_one(slot_dtype, storage):
     num_blocks, block_size, num_kv_heads, head_dim = 8, 4, 2, 16
-    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
-    value_cache = torch.zeros_like(key_cache)
+
+    def empty_cache() -> torch.Tensor:
+        if storage == "block-major":
+            return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+        if storage == "head-major":
+            return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3)
+        return torch.zeros(2 * num_blocks, block_size, num_kv_heads, head_dim)[::2]  # every other block
+
+    key_cache, value_cache = empty_cache(), empty_cache()
     key = torch.randn(5, num_kv_heads, head_dim)
     value = torch.randn(5, num_kv_heads, head_dim)
     slot_mapping = torch.tensor([13, -1, 0, 31, 6], dtype=slot_dtype)
@@ -101,8 +139,11 @@ def test_get_attention_ops_selects_backend():
     torch_ops = get_attention_ops("torch")
     assert torch_ops.backend == "torch"
     assert torch_ops.paged_attention is ref_paged_attention
-    expected = "triton" if torch.cuda.is_available() else "torch"
+    from kernels import cpu
+
+    expected = "triton" if torch.cuda.is_available() else ("cpu" if cpu.available() else "torch")
     assert get_attention_ops("auto").backend == expected
+    assert get_attention_ops("cpu").backend == ("cpu" if cpu.available() else "torch")
     assert get_attention_ops("triton").paged_attention.__name__ == "paged_attention"
     with pytest.raises(ValueError, match="backend"):
         get_attention_ops("cuda")
@@ -116,3 +157,15 @@ def test_importing_kernels_does_not_import_triton():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_ref_scratch_works_in_and_out_of_inference_mode(paged_batch):
+    """The model runner calls the reference under ``torch.inference_mode``, tests call it outside:
+    the reused gather buffers must serve both, in either order."""
+    batch = paged_batch(**DECODE, head_major=True, seed=3)
+    expected = causal_attention_on_contiguous_kv(batch)
+    with torch.inference_mode():
+        inside = ref_paged_attention(*batch.args())
+    outside = ref_paged_attention(*batch.args())
+    torch.testing.assert_close(inside, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outside, expected, atol=1e-5, rtol=1e-5)

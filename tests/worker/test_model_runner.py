@@ -148,3 +148,24 @@ def test_triton_backend_gives_the_same_tokens(hf):
         tokens[backend] = [got[0] + out.sampled_token_ids["a"], got[1] + out.sampled_token_ids["b"]]
         assert runner.attention_backend == backend
     assert tokens["triton"] == tokens["torch"]
+
+
+def test_cpu_kv_cache_is_head_major_memory_behind_the_logical_layout(hf):
+    runner = make_runner(hf, num_blocks=50, block_size=8, max_model_len=200)
+    key_cache, value_cache = runner.kv_caches[0]
+    assert key_cache.shape == (50, 8, 2, 16)  # [num_blocks, block_size, num_kv_heads, head_dim]
+    assert key_cache.permute(2, 0, 1, 3).is_contiguous()  # memory: [num_kv_heads, num_blocks, ...]
+    assert int(key_cache.abs().sum()) == 0 and int(value_cache.abs().sum()) == 0
+
+
+def test_huge_page_zeros_are_zero_writable_and_outlive_their_mapping():
+    import gc
+
+    from worker_service import cpu_memory
+
+    t = cpu_memory.zeros((3, 1000, 16), torch.float32, torch.device("cpu"))
+    gc.collect()  # the mmap object has no other referent than the tensor
+    assert t.shape == (3, 1000, 16) and int(t.abs().sum()) == 0
+    t[2, 999, 15] = 7.0
+    assert float(t.sum()) == 7.0
+    assert cpu_memory.zeros((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)

@@ -1,0 +1,79 @@
+"""Where a CPU worker's big tensors live: huge pages for the KV cache, a tuned malloc for activations.
+
+Both matter only on the CPU, where memory traffic — not arithmetic — bounds decode attention:
+
+* :func:`zeros` backs the KV cache with transparent huge pages. Attention reads each sequence's
+  blocks scattered over the whole cache (often gigabytes); with 4 KiB pages nearly every block costs
+  a TLB miss.
+* :func:`tune_malloc` keeps freed activation memory in the heap. A forward pass allocates and frees
+  tensors of megabytes per layer; with glibc's defaults the larger ones are fresh ``mmap`` s that
+  page-fault in on every step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import mmap
+import os
+import warnings
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on Linux CPUs backed by transparent huge pages where the kernel allows them.
+
+    An anonymous private mapping advised ``MADV_HUGEPAGE`` gets 2 MiB pages whether the system's THP
+    mode is ``always`` or ``madvise`` (measured here: the reference's K/V gather from a 1.5 GiB cache
+    ran 1.4-1.9x faster).
+    """
+    numel = math.prod(shape)
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if device.type != "cpu" or advise is None or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled
+    try:
+        mapping.madvise(advise)
+    except OSError:  # THP disabled ("never") or unsupported: plain pages, same tensor
+        pass
+    with warnings.catch_warnings():  # "non-writable buffer" does not apply: the mapping is writable
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value (HEAP_MAX / 2 on 64-bit)
+_TRIM_THRESHOLD = 1 << 30
+_TOP_PAD = 64 << 20
+_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Serve allocations up to 32 MiB from the heap and keep up to 1 GiB of freed heap: a step's
+    activations then reuse warm pages instead of faulting fresh ones in (decode steps ran ~8%
+    faster here). Process-wide and glibc-only; once per process; ``PAGEDSERVE_TUNE_MALLOC=0`` skips
+    it. Returns whether the settings are in effect.
+    """
+    global _tuned
+    if _tuned:
+        return True
+    if os.environ.get("PAGEDSERVE_TUNE_MALLOC", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _tuned = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD), (_M_TOP_PAD, _TOP_PAD)))
+    if not _tuned:
+        log.warning("mallopt rejected the activation-memory settings; CPU steps may run slower")
+    return _tuned
