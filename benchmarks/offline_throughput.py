@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--tune-malloc-for-transformers", action="store_true",
+                   help="apply pagedserve's CPU malloc tuning (worker_service.cpu_memory) before the transformers "
+                        "phase too, so both phases run with the same allocator settings")
     p.add_argument("--output", default="benchmarks/results/offline_throughput.json")
     args = p.parse_args(argv)
 
@@ -234,7 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                         **source.from_pretrained_kwargs()).eval()
         result["hf_model_load_s"] = round(time.perf_counter() - t0, 3)
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
+        if args.tune_malloc_for_transformers:
+            from worker_service import cpu_memory
+
+            cpu_memory.tune_malloc()
         result["hf_static"] = run_hf_static(hf_model, requests, args.hf_batch_size, pad)
+        result["hf_static"]["malloc_tuned"] = args.tune_malloc_for_transformers
         print(f"transformers static batches of {args.hf_batch_size}: {result['hf_static']['output_tokens_per_s']} "
               f"useful output tok/s ({result['hf_static']['generate_s']} s, "
               f"peak RSS {result['hf_static']['peak_rss_bytes'] / 2**30:.2f} GiB)")
