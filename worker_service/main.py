@@ -112,8 +112,9 @@ class WorkerApp:
                 eos_token_ids=tuple(info.eos_token_ids))
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()
-        log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d)",
-                 s.worker_id, info.model, self.address, info.num_blocks, info.block_size, info.max_model_len)
+        log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d, attention %s)",
+                 s.worker_id, info.model, self.address, info.num_blocks, info.block_size, info.max_model_len,
+                 getattr(self._runner, "attention_backend", "simulated"))
 
     async def _wait_idle_then_stop(self) -> None:
         try:
