@@ -40,15 +40,21 @@ def ref_reshape_and_cache(
     for cache, rows in ((key_cache, key), (value_cache, value)):
         by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim]
         if by_head.is_contiguous():  # head-major storage: (head, slot) rows of one flat matrix
-            num_kv_heads, num_slots = by_head.shape[0], by_head.shape[1] * block_size
-            first = torch.arange(0, num_kv_heads * num_slots, num_slots, device=slots.device)
+            flat_rows = _per_head(slots, by_head.shape[0], by_head.shape[1] * block_size)
             by_head.view(-1, cache.shape[3]).index_copy_(
-                0, (first[:, None] + slots).reshape(-1), rows.to(cache.dtype).transpose(0, 1).reshape(-1, cache.shape[3])
+                0, flat_rows, rows.to(cache.dtype).transpose(0, 1).reshape(-1, cache.shape[3])
             )
         elif cache.is_contiguous():  # block-major: one row of all heads per slot
             cache.view(-1, cache.shape[2] * cache.shape[3]).index_copy_(0, slots, rows.to(cache.dtype).flatten(1))
         else:  # advanced indexing on the two leading dims works for any strides
             cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
+
+
+def _per_head(index: torch.Tensor, num_kv_heads: int, per_head: int) -> torch.Tensor:
+    """``index`` (of slots or blocks) repeated for each KV head, as rows of head-major memory viewed
+    flat: head ``h``'s copy is offset by ``h * per_head``; ``[num_kv_heads * len(index)]``."""
+    first = torch.arange(0, num_kv_heads * per_head, per_head, device=index.device)
+    return (first[:, None] + index.to(torch.int64)).reshape(-1)
 
 
 def ref_paged_attention(
@@ -172,8 +178,7 @@ def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positio
     num_kv_heads, num_blocks, block_size, head_dim = by_head.shape
     if by_head.is_contiguous():  # head-major storage: one flat gather of (head, block) tiles
         rows = _scratch.get(role, cache, (num_kv_heads, ids.numel(), block_size, head_dim))
-        first = torch.arange(0, num_kv_heads * num_blocks, num_blocks, device=ids.device)
-        torch.index_select(by_head.reshape(-1, block_size, head_dim), 0, (first[:, None] + ids).reshape(-1),
+        torch.index_select(by_head.reshape(-1, block_size, head_dim), 0, _per_head(ids, num_kv_heads, num_blocks),
                            out=rows.view(-1, block_size, head_dim))
         rows = rows.view(num_kv_heads, *lead, -1, head_dim).movedim(0, -3)
     else:  # block-major (or other) storage: gather whole blocks, heads become a strided axis
