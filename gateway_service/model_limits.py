@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from pagedserve.redis_keys import RedisKeys
-from pagedserve.serving import cancel_requested
+from pagedserve.serving import cancel_and_wait, cancel_requested
 from pagedserve.registry import WorkerRecord, list_workers
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,4 @@ class ModelLimitsView:
             await asyncio.sleep(self._refresh_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait([self._task])

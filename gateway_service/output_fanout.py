@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from pagedserve.errors import UnavailableError
 from pagedserve.redis_keys import RedisKeys
-from pagedserve.serving import cancel_requested
+from pagedserve.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +69,7 @@ class OutputFanout:
         self._task = asyncio.create_task(self._run(), name="output-fanout")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait([self._task])
         await self._redis.delete(self.wake_key)
 
     def subscribe(self, key: str) -> Subscription:

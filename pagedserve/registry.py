@@ -149,13 +149,10 @@ class Heartbeat:
                 log.warning("registry heartbeat of %s failed: %s", self._key, exc)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        from pagedserve.serving import cancel_and_wait
+
+        await cancel_and_wait([self._task])
+        self._task = None
         try:
             await self._redis.delete(self._key)
         except Exception as exc:
