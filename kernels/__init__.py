@@ -1,18 +1,16 @@
 """Paged KV-cache kernels: Triton kernels, each beside a pure-torch reference of the same signature.
 
-* write the step's K/V into the cache: ``kernels.cache.reshape_and_cache`` (Triton) and
-  ``kernels.reference.ref_reshape_and_cache`` (torch);
-* attention over the cache: ``kernels.paged_attention.paged_attention`` (Triton) and
-  ``kernels.reference.ref_paged_attention`` (torch).
+* write the step's K/V into the cache: ``kernels.cache.reshape_and_cache`` (Triton);
+* attention over the cache: ``kernels.paged_attention.paged_attention`` (Triton);
+* ``kernels.reference``: the plain torch oracle of both (``ref_reshape_and_cache``,
+  ``ref_paged_attention``), short and obviously correct, that every kernel is tested against;
+* ``kernels.cpu``: the tuned CPU path of both (``cpu_reshape_and_cache``, ``cpu_paged_attention``:
+  vectorised torch, decode rows in C where a compiler built ``csrc/`` — see ``kernels.native``).
 
-The Triton kernels run on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for tests); the torch
-references are what the tests compare against and the CPU execution path, except that decode rows
-— memory-bound passes over the whole context — go to a C loop beside the reference when a C compiler
-is there (backend ``"cpu"``; the reference alone is ``"torch"``).
+The Triton kernels run on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for tests).
 
-Pick a pair with :func:`get_attention_ops` (``"auto"``: Triton when CUDA is available, else torch).
-Importing this package does not import Triton: CPU-only users import ``kernels.reference`` (or call
-``get_attention_ops("torch")``) without paying for, or failing on, Triton.
+Pick a pair with :func:`get_attention_ops` (:data:`BACKENDS`). Importing this package does not
+import Triton: CPU-only users never pay for, or fail on, Triton.
 
 KV-cache layout — one tensor for K and one for V per layer, **block-major**::
 
@@ -53,7 +51,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["AttentionOps", "get_attention_ops"]
+__all__ = ["BACKENDS", "AttentionOps", "get_attention_ops", "resolve_backend"]
+
+
+# The one description of the attention backends; ``--attention-backend``'s help is built from it.
+BACKENDS = {
+    "auto": "triton where CUDA is available, else cpu",
+    "triton": "the Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1)",
+    "cpu": "the tuned CPU path: vectorised torch, decode rows in C where a compiler is present",
+    "torch": "the plain reference (slow: for checking the others)",
+}
 
 
 class AttentionOps(NamedTuple):
@@ -61,40 +68,35 @@ class AttentionOps(NamedTuple):
 
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
-    backend: str  # "torch" or "triton": what "auto" resolved to
+    backend: str  # "triton", "cpu" or "torch": what "auto" resolved to
 
 
-def get_attention_ops(backend: str = "auto") -> AttentionOps:
-    """Return ``(reshape_and_cache, paged_attention, backend)`` for ``"torch"``, ``"cpu"``,
-    ``"triton"`` or ``"auto"`` (Triton when ``torch.cuda.is_available()``; else ``"cpu"`` when its C
-    decode kernel builds on this machine; else the torch reference).
+def resolve_backend(backend: str = "auto", device: str | None = None) -> str:
+    """The backend ``backend`` names on ``device`` (``"cuda"``/``"cpu"``; None: CUDA if present)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    on_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    return "triton" if on_cuda else "cpu"
+
+
+def get_attention_ops(backend: str = "auto", device: str | None = None) -> AttentionOps:
+    """Return ``(reshape_and_cache, paged_attention, backend)`` for a name of :data:`BACKENDS`.
 
     Triton is imported only here, only when chosen. All backends take the same arguments; the
-    Triton ops need CUDA tensors (or the interpreter), the torch ops run on any device, and the
-    ``"cpu"`` ops run anywhere too but use C only for fp32 CPU tensors. ``"cpu"`` asked for on a
-    machine where the kernel can't be built gives the torch reference (``backend == "torch"``).
+    Triton ops need CUDA tensors (or the interpreter), the others run on any device.
     """
-    if backend == "auto":
-        if torch.cuda.is_available():
-            backend = "triton"
-        else:
-            from kernels import cpu
-
-            backend = "cpu" if cpu.available() else "torch"
+    backend = resolve_backend(backend, device)
     if backend == "cpu":
-        from kernels import cpu
-        from kernels.reference import ref_reshape_and_cache
+        from kernels.cpu import cpu_paged_attention, cpu_reshape_and_cache
 
-        if cpu.available():
-            return AttentionOps(ref_reshape_and_cache, cpu.cpu_paged_attention, "cpu")
-        backend = "torch"
+        return AttentionOps(cpu_reshape_and_cache, cpu_paged_attention, "cpu")
     if backend == "torch":
         from kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
         return AttentionOps(ref_reshape_and_cache, ref_paged_attention, "torch")
-    if backend == "triton":
-        from kernels.cache import reshape_and_cache
-        from kernels.paged_attention import paged_attention
+    from kernels.cache import reshape_and_cache
+    from kernels.paged_attention import paged_attention
 
-        return AttentionOps(reshape_and_cache, paged_attention, "triton")
-    raise ValueError(f"attention backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
+    return AttentionOps(reshape_and_cache, paged_attention, "triton")

@@ -1,26 +1,32 @@
-"""The CPU attention backend (``"cpu"``): decode rows in C, prefill chunks through the reference.
+"""The tuned CPU path (attention backend ``"cpu"``): the reference's contract, made fast on a CPU.
 
-A decode row's attention is a pass over its whole cached context, bound by memory traffic; the
-torch reference has to gather a sequence's blocks into a contiguous copy and then read that copy
-again in SDPA. ``csrc/paged_decode_attention.c`` (built by :mod:`kernels.native`) reads every K/V
-row once, straight from the paged cache, for all query heads of a KV head at a time. Prefill
-chunks stay with the reference: there SDPA's tiled matmuls are the fast part and the gather is a
-small fraction.
+Same signatures and results as :mod:`kernels.reference` (the kernel tests compare them), but
+vectorised and careful with memory, because a worker without a GPU serves through these functions:
 
-Same signature and result as :func:`kernels.reference.ref_paged_attention` (the kernel tests
-compare the two). fp32 only, within the C kernel's limits (GQA group <= 16, head_dim <= 256,
-block_size <= 128); anything else — or a machine without a C compiler — runs the reference, so this
-op is always safe to call. :func:`available` tells whether the C path is there at all.
+* cache writes are one ``index_copy_`` per cache (head-major storage, see ``worker_service.kv_cache``);
+* decode rows — memory-bound passes over the whole cached context — run in C
+  (``csrc/paged_decode_attention.c``, built by :mod:`kernels.native`), which reads every K/V row
+  once straight from the paged cache for all query heads of a KV head. Where the C kernel is absent
+  (no compiler) or does not apply (16-bit caches, GQA group > 16, head_dim > 256, block_size > 128),
+  decode rows are batched in torch: sequences of similar length grouped, K/V gathered into reused
+  per-thread scratch buffers, one SDPA call per group;
+* prefill chunks gather one sequence's K/V into scratch and run SDPA (causal, ``is_causal`` when
+  the chunk has no cached context), where SDPA's tiled matmuls are the fast part.
+
+:func:`available` tells whether the C kernel is there.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
+import threading
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kernels import native
-from kernels.reference import _decode, paged_attention_with
 
 _KERNEL = "paged_decode_attention"
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK_SIZE = 16, 256, 128
@@ -69,7 +75,7 @@ def _native_decode(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
 ) -> None:
-    """The reference's ``_decode`` contract, in C when the inputs allow it."""
+    """:func:`_decode`'s contract, in C when the inputs allow it."""
     fn = _function()
     if fn is None or not _supported(query, key_cache, value_cache) or min(lens) < 1:
         _decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
@@ -89,6 +95,240 @@ def _native_decode(
         out.copy_(target)
 
 
+def cpu_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 or int32; -1 = do not store (padding)
+) -> None:
+    """:func:`kernels.reference.ref_reshape_and_cache`, as one ``index_copy_`` per cache: with
+    head-major storage each (head, slot) row is one row of a flat matrix; block-major, one row of all
+    heads per slot; other strides fall back to advanced indexing."""
+    block_size = key_cache.shape[1]
+    slots = slot_mapping.to(torch.int64)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim]
+        if by_head.is_contiguous():  # head-major storage: (head, slot) rows of one flat matrix
+            flat_rows = _per_head(slots, by_head.shape[0], by_head.shape[1] * block_size)
+            by_head.view(-1, cache.shape[3]).index_copy_(
+                0, flat_rows, rows.to(cache.dtype).transpose(0, 1).reshape(-1, cache.shape[3])
+            )
+        elif cache.is_contiguous():  # block-major: one row of all heads per slot
+            cache.view(-1, cache.shape[2] * cache.shape[3]).index_copy_(0, slots, rows.to(cache.dtype).flatten(1))
+        else:  # advanced indexing on the two leading dims works for any strides
+            cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
+
+
+
+def _per_head(index: torch.Tensor, num_kv_heads: int, per_head: int) -> torch.Tensor:
+    """``index`` (of slots or blocks) repeated for each KV head, as rows of head-major memory viewed
+    flat: head ``h``'s copy is offset by ``h * per_head``; ``[num_kv_heads * len(index)]``."""
+    first = torch.arange(0, num_kv_heads * per_head, per_head, device=index.device)
+    return (first[:, None] + index.to(torch.int64)).reshape(-1)
+
+
+
+DecodeFn = Callable[..., None]
+
+
+def _paged_attention(
+    decode: DecodeFn,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with decode rows handed to ``decode`` (the signature of :func:`_decode`), batched;
+    prefill chunks one sequence at a time through SDPA."""
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    qsl = query_start_loc.to(device="cpu", dtype=torch.int64).tolist()
+    lens = seq_lens.to(device="cpu", dtype=torch.int64).tolist()
+    q_lens = [qsl[s + 1] - qsl[s] for s in range(num_seqs)]
+    if all(n == 1 for n in q_lens):  # pure decode: batched, no per-sequence loop
+        decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
+        return out
+
+    decode_seqs = [s for s in range(num_seqs) if q_lens[s] == 1]
+    if decode_seqs:
+        index = torch.tensor(decode_seqs, device=query.device)
+        rows = torch.tensor([qsl[s] for s in decode_seqs], device=query.device)
+        decode_out = torch.empty_like(query[rows])
+        decode(
+            query[rows],
+            key_cache,
+            value_cache,
+            block_tables[index],
+            seq_lens[index],
+            [lens[s] for s in decode_seqs],
+            scale,
+            decode_out,
+        )
+        out[rows] = decode_out
+    for s in range(num_seqs):
+        if q_lens[s] > 1:
+            out[qsl[s] : qsl[s + 1]] = _prefill(
+                query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale
+            )
+    return out
+
+
+class _Scratch(threading.local):
+    """Per-thread gather buffers, reused from layer to layer and step to step.
+
+    A decode step gathers tens of megabytes of K/V per layer; allocating that afresh each time costs
+    as much as the copy itself (fresh pages fault in). One buffer per role ("key", "value") and
+    dtype/device, grown on demand; a gathered view is only valid until the next gather of its role.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, role: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (role, like.dtype, like.device)
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+                buffer = self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape)
+
+
+_scratch = _Scratch()
+
+
+def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """fp32 ``[*block_ids.shape[:-1], num_kv_heads, num_positions, head_dim]`` of cached rows.
+
+    One ``index_select`` copy into the reused scratch buffer of ``role`` (plus a cast for 16-bit
+    caches). With head-major storage (what ``allocate_kv_caches`` uses on the CPU) each (sequence,
+    head) comes out as one contiguous ``[num_positions, head_dim]`` matrix, the layout SDPA's CPU
+    kernel reads fastest; with block-major storage whole blocks are copied and the head axis is a
+    strided view.
+    """
+    lead = tuple(block_ids.shape[:-1])
+    ids = block_ids.reshape(-1)
+    by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim], a view
+    num_kv_heads, num_blocks, block_size, head_dim = by_head.shape
+    if by_head.is_contiguous():  # head-major storage: one flat gather of (head, block) tiles
+        rows = _scratch.get(role, cache, (num_kv_heads, ids.numel(), block_size, head_dim))
+        torch.index_select(by_head.reshape(-1, block_size, head_dim), 0, _per_head(ids, num_kv_heads, num_blocks),
+                           out=rows.view(-1, block_size, head_dim))
+        rows = rows.view(num_kv_heads, *lead, -1, head_dim).movedim(0, -3)
+    else:  # block-major (or other) storage: gather whole blocks, heads become a strided axis
+        rows = _scratch.get(role, cache, (ids.numel(), block_size, num_kv_heads, head_dim))
+        torch.index_select(cache, 0, ids, out=rows)
+        rows = rows.view(*lead, -1, num_kv_heads, head_dim).transpose(-3, -2)
+    rows = rows[..., :num_positions, :]  # [*lead, num_kv_heads, num_positions, head_dim]
+    return rows if rows.dtype == torch.float32 else rows.float()
+
+
+# Decode gathers at most this many bytes of K (and as many of V) per group of sequences, so a large
+# batch with long contexts needs bounded scratch memory (256 sequences x 4k tokens would otherwise
+# gather gigabytes) at the cost of a few more SDPA calls.
+_DECODE_GATHER_BYTES = 32 << 20
+# Decode groups sequences of similar context length (sorted), padding each group to its longest; a
+# new group starts when padding would exceed this fraction of the group's real context.
+_DECODE_PADDING = 0.15
+
+
+def _decode_groups(lens: list[int], bytes_per_position: int) -> list[list[int]]:
+    """Sequence indices in groups of similar length (ascending), each within the gather budget."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    total = 0
+    for s in sorted(range(len(lens)), key=lens.__getitem__):
+        n, longest = len(group) + 1, lens[s]
+        if group and (longest * n > (1 + _DECODE_PADDING) * (total + longest)
+                      or longest * n * bytes_per_position > _DECODE_GATHER_BYTES):
+            groups.append(group)
+            group, total = [], 0
+        group.append(s)
+        total += longest
+    groups.append(group)
+    return groups
+
+
+def _decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    lens: list[int],  # seq_lens on the host
+    scale: float,
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
+) -> None:
+    """Groups of sequences of similar length at once: K/V gathered and padded to the group's longest.
+
+    The query heads sharing a KV head become SDPA's query-length axis (a decode row's mask is the
+    same for all of them), so GQA needs no K/V repeat.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    grouped_query = query.view(num_seqs, num_kv_heads, group_size, head_dim)
+    for group in _decode_groups(lens, num_kv_heads * head_dim * key_cache.element_size()):
+        n, longest = len(group), lens[group[-1]]
+        index = torch.tensor(group, device=query.device)
+        block_ids = block_tables.index_select(0, index)[:, : -(-longest // block_size)].long()
+        k = _gather("key", key_cache, block_ids, longest)  # [n, num_kv_heads, longest, head_dim]
+        v = _gather("value", value_cache, block_ids, longest)
+        mask = None
+        if lens[group[0]] != longest:
+            positions = torch.arange(longest, device=query.device)
+            mask = (positions < seq_lens.index_select(0, index)[:, None])[:, None, None, :]  # [n, 1, 1, L]
+        o = F.scaled_dot_product_attention(grouped_query.index_select(0, index).float(), k, v,
+                                           attn_mask=mask, scale=scale)
+        out.index_copy_(0, index, o.reshape(n, num_heads, head_dim).to(out.dtype))
+
+
+def _prefill(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim] fp32
+    """One sequence's chunk: contiguous K/V, causal mask offset by the context already cached.
+
+    A chunk with no cached context is plain causal attention (``is_causal``: the kernel skips the
+    masked half); SDPA gets a batch axis because its CPU kernel parallelises 4-D inputs better.
+    """
+    q_len, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_ids = block_table[: -(-seq_len // block_size)].long()
+    k = _gather("key", key_cache, block_ids, seq_len)  # [num_kv_heads, seq_len, head_dim]
+    v = _gather("value", value_cache, block_ids, seq_len)
+    mask = None
+    if q_len != seq_len:
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        key_pos = torch.arange(seq_len, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+    o = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
+        k[None],
+        v[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return o[0].transpose(0, 1)
+
+
 def cpu_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -102,7 +342,11 @@ def cpu_paged_attention(
     num_splits: int | None = None,  # signature parity with the Triton op; unused
     max_query_len: int | None = None,  # likewise
 ) -> torch.Tensor:
-    """:func:`kernels.reference.ref_paged_attention`, with decode rows in C (see the module doc)."""
+    """:func:`kernels.reference.ref_paged_attention`, tuned for the CPU (see the module doc).
+
+    Decode rows batched by padding read ``block_tables`` entries past a row's own blocks: they must
+    be valid block ids (0, the null block, is fine), and the cache must hold no NaN/inf.
+    """
     del num_splits, max_query_len
-    return paged_attention_with(_native_decode, query, key_cache, value_cache, block_tables, query_start_loc,
+    return _paged_attention(_native_decode, query, key_cache, value_cache, block_tables, query_start_loc,
                                 seq_lens, scale, out)

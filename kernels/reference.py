@@ -1,9 +1,10 @@
-"""Pure-torch references for the paged KV-cache kernels — and the CPU execution path.
+"""Pure-torch references for the paged KV-cache kernels: the oracle every kernel is tested against.
 
-Every function here has the same signature as its Triton twin (``kernels.cache`` and
-``kernels.paged_attention``); the kernel tests compare the two. Because a worker without a GPU runs
-these functions for real, they are vectorised: no Python loop per token, one loop per *prefill*
-sequence at most (decode rows are batched together).
+Each function has the signature of its kernels (``kernels.cache`` / ``kernels.paged_attention`` in
+Triton, ``kernels.cpu`` for the tuned CPU path). They are written to be obviously correct, not
+fast: one Python loop per sequence, K/V copied out through the block table position by position,
+plain causal attention in fp32. Nothing serves traffic through them unless asked to
+(``--attention-backend torch``).
 
 Cache layout (see ``kernels/__init__.py`` for why): ``key_cache, value_cache:
 [num_blocks, block_size, num_kv_heads, head_dim]``; token at position ``p`` of a sequence lives in
@@ -12,12 +13,7 @@ slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 
 
 def ref_reshape_and_cache(
@@ -34,27 +30,10 @@ def ref_reshape_and_cache(
     """
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
-    if bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
-    for cache, rows in ((key_cache, key), (value_cache, value)):
-        by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim]
-        if by_head.is_contiguous():  # head-major storage: (head, slot) rows of one flat matrix
-            flat_rows = _per_head(slots, by_head.shape[0], by_head.shape[1] * block_size)
-            by_head.view(-1, cache.shape[3]).index_copy_(
-                0, flat_rows, rows.to(cache.dtype).transpose(0, 1).reshape(-1, cache.shape[3])
-            )
-        elif cache.is_contiguous():  # block-major: one row of all heads per slot
-            cache.view(-1, cache.shape[2] * cache.shape[3]).index_copy_(0, slots, rows.to(cache.dtype).flatten(1))
-        else:  # advanced indexing on the two leading dims works for any strides
-            cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
-
-
-def _per_head(index: torch.Tensor, num_kv_heads: int, per_head: int) -> torch.Tensor:
-    """``index`` (of slots or blocks) repeated for each KV head, as rows of head-major memory viewed
-    flat: head ``h``'s copy is offset by ``h * per_head``; ``[num_kv_heads * len(index)]``."""
-    first = torch.arange(0, num_kv_heads * per_head, per_head, device=index.device)
-    return (first[:, None] + index.to(torch.int64)).reshape(-1)
+    keep = slots >= 0
+    slots = slots[keep]
+    key_cache[slots // block_size, slots % block_size] = key[keep].to(key_cache.dtype)
+    value_cache[slots // block_size, slots % block_size] = value[keep].to(value_cache.dtype)
 
 
 def ref_paged_attention(
@@ -68,7 +47,7 @@ def ref_paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     *,
     num_splits: int | None = None,  # accepted for signature parity with the Triton op; unused
-    max_query_len: int | None = None,  # likewise unused (the reference syncs freely)
+    max_query_len: int | None = None,  # likewise unused
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V cache.
 
@@ -77,208 +56,24 @@ def ref_paged_attention(
     positions ``0..`` that position (the new tokens' K/V must already be in the cache). Query head
     ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). Softmax in fp32; the result is
     in ``query``'s dtype (written into ``out`` when given, which is also returned).
-
-    Decode rows are batched by padding to the longest context of a group, so a row's
-    ``block_tables`` entries past its own blocks are gathered (then masked): they must be valid
-    block ids (0, the null block, is fine), and the cache must hold no NaN/inf (zero-initialised).
     """
     del num_splits, max_query_len
-    return paged_attention_with(_decode, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-                                scale, out)
-
-
-DecodeFn = Callable[..., None]
-
-
-def paged_attention_with(
-    decode: DecodeFn,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None,
-) -> torch.Tensor:
-    """:func:`ref_paged_attention` with its decode rows handed to ``decode`` (same signature as
-    :func:`_decode`): prefill chunks run one sequence at a time through SDPA, decode rows batched."""
-    num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
-    if query.shape[0] == 0:
-        return out
-    qsl = query_start_loc.to(device="cpu", dtype=torch.int64).tolist()
-    lens = seq_lens.to(device="cpu", dtype=torch.int64).tolist()
-    q_lens = [qsl[s + 1] - qsl[s] for s in range(num_seqs)]
-    if all(n == 1 for n in q_lens):  # pure decode: batched, no per-sequence loop
-        decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
-        return out
-
-    decode_seqs = [s for s in range(num_seqs) if q_lens[s] == 1]
-    if decode_seqs:
-        index = torch.tensor(decode_seqs, device=query.device)
-        rows = torch.tensor([qsl[s] for s in decode_seqs], device=query.device)
-        decode_out = torch.empty_like(query[rows])
-        decode(
-            query[rows],
-            key_cache,
-            value_cache,
-            block_tables[index],
-            seq_lens[index],
-            [lens[s] for s in decode_seqs],
-            scale,
-            decode_out,
-        )
-        out[rows] = decode_out
-    for s in range(num_seqs):
-        if q_lens[s] > 1:
-            out[qsl[s] : qsl[s + 1]] = _prefill(
-                query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale
-            )
-    return out
-
-
-class _Scratch(threading.local):
-    """Per-thread gather buffers, reused from layer to layer and step to step.
-
-    A decode step gathers tens of megabytes of K/V per layer; allocating that afresh each time costs
-    as much as the copy itself (fresh pages fault in). One buffer per role ("key", "value") and
-    dtype/device, grown on demand; a gathered view is only valid until the next gather of its role.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, role: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = math.prod(shape)
-        key = (role, like.dtype, like.device)
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-                buffer = self.buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer[:numel].view(shape)
-
-
-_scratch = _Scratch()
-
-
-def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positions: int) -> torch.Tensor:
-    """fp32 ``[*block_ids.shape[:-1], num_kv_heads, num_positions, head_dim]`` of cached rows.
-
-    One ``index_select`` copy into the reused scratch buffer of ``role`` (plus a cast for 16-bit
-    caches). With head-major storage (what ``allocate_kv_caches`` uses on the CPU) each (sequence,
-    head) comes out as one contiguous ``[num_positions, head_dim]`` matrix, the layout SDPA's CPU
-    kernel reads fastest; with block-major storage whole blocks are copied and the head axis is a
-    strided view.
-    """
-    lead = tuple(block_ids.shape[:-1])
-    ids = block_ids.reshape(-1)
-    by_head = cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim], a view
-    num_kv_heads, num_blocks, block_size, head_dim = by_head.shape
-    if by_head.is_contiguous():  # head-major storage: one flat gather of (head, block) tiles
-        rows = _scratch.get(role, cache, (num_kv_heads, ids.numel(), block_size, head_dim))
-        torch.index_select(by_head.reshape(-1, block_size, head_dim), 0, _per_head(ids, num_kv_heads, num_blocks),
-                           out=rows.view(-1, block_size, head_dim))
-        rows = rows.view(num_kv_heads, *lead, -1, head_dim).movedim(0, -3)
-    else:  # block-major (or other) storage: gather whole blocks, heads become a strided axis
-        rows = _scratch.get(role, cache, (ids.numel(), block_size, num_kv_heads, head_dim))
-        torch.index_select(cache, 0, ids, out=rows)
-        rows = rows.view(*lead, -1, num_kv_heads, head_dim).transpose(-3, -2)
-    rows = rows[..., :num_positions, :]  # [*lead, num_kv_heads, num_positions, head_dim]
-    return rows if rows.dtype == torch.float32 else rows.float()
-
-
-# Decode gathers at most this many bytes of K (and as many of V) per group of sequences, so a large
-# batch with long contexts needs bounded scratch memory (256 sequences x 4k tokens would otherwise
-# gather gigabytes) at the cost of a few more SDPA calls.
-_DECODE_GATHER_BYTES = 32 << 20
-# Decode groups sequences of similar context length (sorted), padding each group to its longest; a
-# new group starts when padding would exceed this fraction of the group's real context.
-_DECODE_PADDING = 0.15
-
-
-def _decode_groups(lens: list[int], bytes_per_position: int) -> list[list[int]]:
-    """Sequence indices in groups of similar length (ascending), each within the gather budget."""
-    groups: list[list[int]] = []
-    group: list[int] = []
-    total = 0
-    for s in sorted(range(len(lens)), key=lens.__getitem__):
-        n, longest = len(group) + 1, lens[s]
-        if group and (longest * n > (1 + _DECODE_PADDING) * (total + longest)
-                      or longest * n * bytes_per_position > _DECODE_GATHER_BYTES):
-            groups.append(group)
-            group, total = [], 0
-        group.append(s)
-        total += longest
-    groups.append(group)
-    return groups
-
-
-def _decode(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    seq_lens: torch.Tensor,  # [num_seqs]
-    lens: list[int],  # seq_lens on the host
-    scale: float,
-    out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
-) -> None:
-    """Groups of sequences of similar length at once: K/V gathered and padded to the group's longest.
-
-    The query heads sharing a KV head become SDPA's query-length axis (a decode row's mask is the
-    same for all of them), so GQA needs no K/V repeat.
-    """
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group_size = num_heads // num_kv_heads
-    grouped_query = query.view(num_seqs, num_kv_heads, group_size, head_dim)
-    for group in _decode_groups(lens, num_kv_heads * head_dim * key_cache.element_size()):
-        n, longest = len(group), lens[group[-1]]
-        index = torch.tensor(group, device=query.device)
-        block_ids = block_tables.index_select(0, index)[:, : -(-longest // block_size)].long()
-        k = _gather("key", key_cache, block_ids, longest)  # [n, num_kv_heads, longest, head_dim]
-        v = _gather("value", value_cache, block_ids, longest)
-        mask = None
-        if lens[group[0]] != longest:
-            positions = torch.arange(longest, device=query.device)
-            mask = (positions < seq_lens.index_select(0, index)[:, None])[:, None, None, :]  # [n, 1, 1, L]
-        o = F.scaled_dot_product_attention(grouped_query.index_select(0, index).float(), k, v,
-                                           attn_mask=mask, scale=scale)
-        out.index_copy_(0, index, o.reshape(n, num_heads, head_dim).to(out.dtype))
-
-
-def _prefill(
-    query: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the sequence
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [max_blocks]
-    seq_len: int,
-    scale: float,
-) -> torch.Tensor:  # [q_len, num_heads, head_dim] fp32
-    """One sequence's chunk: contiguous K/V, causal mask offset by the context already cached.
-
-    A chunk with no cached context is plain causal attention (``is_causal``: the kernel skips the
-    masked half); SDPA gets a batch axis because its CPU kernel parallelises 4-D inputs better.
-    """
-    q_len, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    block_ids = block_table[: -(-seq_len // block_size)].long()
-    k = _gather("key", key_cache, block_ids, seq_len)  # [num_kv_heads, seq_len, head_dim]
-    v = _gather("value", value_cache, block_ids, seq_len)
-    mask = None
-    if q_len != seq_len:
+    block_size = key_cache.shape[1]
+    group = query.shape[1] // key_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[s] : starts[s + 1]].float()  # [q_len, num_heads, head_dim]
+        q_len = q.shape[0]
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[s, positions // block_size].long()
+        k = key_cache[blocks, positions % block_size].float()  # [seq_len, num_kv_heads, head_dim]
+        v = value_cache[blocks, positions % block_size].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # GQA
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        key_pos = torch.arange(seq_len, device=query.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
-    o = F.scaled_dot_product_attention(
-        query.float().transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
-        k[None],
-        v[None],
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    return o[0].transpose(0, 1)
+        scores = scores.masked_fill(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        out[starts[s] : starts[s + 1]] = o.to(out.dtype)
+    return out

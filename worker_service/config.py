@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kernels import BACKENDS as ATTENTION_BACKENDS
 from scheduler_service.core.errors import InvalidParameterError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -50,7 +50,7 @@ class ModelRunnerConfig:
     kv_cache_memory: str | int | None = None
     gpu_memory_fraction: float = 0.9
     num_blocks: int | None = None
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch reference on CPU
+    attention_backend: str = "auto"  # a name of kernels.BACKENDS
 
     DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 

@@ -172,8 +172,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_flag(parser, env, "gpu-memory-fraction", type=float, default=0.9,
              help="share of free GPU memory the KV cache may take")
     add_flag(parser, env, "attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-             help="paged-attention implementation (auto: triton on CUDA; on CPU, cpu = C decode kernel beside the torch "
-                  "reference, or torch where no C compiler is)")
+             help="paged-attention implementation: " + "; ".join(f"{k} = {v}" for k, v in ATTENTION_BACKENDS.items()))
     add_flag(parser, env, "step-delay-s", type=float, default=0.0,
              help="testing only: sleep this long after every step (throttles generation so chaos tests can kill "
                   "processes mid-generation)")

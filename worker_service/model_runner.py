@@ -46,14 +46,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """``auto``: Triton on CUDA; on the CPU, ``cpu`` (C decode beside the reference; it falls back
-    to ``torch`` by itself where no C compiler is)."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "cpu"
-    return backend
-
-
 class ModelRunner:
     """Owns the weights, the KV cache and the persistent batch of one worker.
 
@@ -85,7 +77,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
-        ops = get_attention_ops(resolve_attention_backend(config.attention_backend, self.device))
+        ops = get_attention_ops(config.attention_backend, self.device.type)
         self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
         self.attention_backend = ops.backend
 

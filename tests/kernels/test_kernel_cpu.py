@@ -1,4 +1,5 @@
-"""The C decode kernel of the CPU backend against the torch reference, and its build/fallback."""
+"""The tuned CPU path (``kernels.cpu``: vectorised torch + the C decode kernel) against the plain
+torch reference, and the C kernel's build and fallback."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu, native
-from kernels.reference import ref_paged_attention
+from kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
 pytestmark = pytest.mark.kernel
 
@@ -58,7 +59,7 @@ def test_cpu_attention_uses_the_kernel_for_decode_rows(paged_batch, monkeypatch)
     module.cpu_paged_attention(*batch.args())
 
 
-def test_cpu_attention_falls_back_to_reference_for_bf16(paged_batch):
+def test_cpu_attention_falls_back_to_torch_decode_for_bf16(paged_batch):
     batch = paged_batch(**DECODE, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
 
     out = cpu.cpu_paged_attention(*batch.args())
@@ -67,7 +68,7 @@ def test_cpu_attention_falls_back_to_reference_for_bf16(paged_batch):
     torch.testing.assert_close(out, ref_paged_attention(*batch.args()))
 
 
-def test_without_a_compiler_cpu_backend_is_the_reference(paged_batch, monkeypatch, tmp_path, caplog):
+def test_without_a_compiler_the_cpu_path_decodes_in_torch(paged_batch, monkeypatch, tmp_path, caplog):
     from kernels import get_attention_ops
 
     monkeypatch.setattr(native, "_loaded", {})
@@ -76,8 +77,7 @@ def test_without_a_compiler_cpu_backend_is_the_reference(paged_batch, monkeypatc
 
     assert not cpu.available()
     assert "no C compiler" in caplog.text
-    assert get_attention_ops("cpu").backend == "torch"
-    assert get_attention_ops("auto").backend == ("triton" if torch.cuda.is_available() else "torch")
+    assert get_attention_ops("cpu").backend == "cpu"
     batch = paged_batch(**MIXED)
     torch.testing.assert_close(cpu.cpu_paged_attention(*batch.args()), ref_paged_attention(*batch.args()))
 
@@ -115,3 +115,91 @@ def test_native_build_reports_compiler_errors(monkeypatch, tmp_path):
     with pytest.raises(native.NativeBuildError, match="broken.c"):
         native.build("broken")
     assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
+
+
+@pytest.fixture
+def torch_decode(monkeypatch):
+    """The CPU path as on a machine without a C compiler: decode rows batched in torch."""
+    monkeypatch.setattr(cpu, "_function", lambda: None)
+
+
+@pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
+def test_torch_decode_path_matches_reference(paged_batch, torch_decode, shape, gqa, dtype, head_major):
+    batch = paged_batch(**shape, num_heads=2 * gqa, num_kv_heads=2, head_dim=32, dtype=dtype, head_major=head_major)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("storage", ["block-major", "head-major", "strided"])
+def test_cpu_reshape_and_cache_matches_reference(storage):
+    num_blocks, block_size, num_kv_heads, head_dim = 8, 4, 2, 16
+
+    def empty_cache() -> torch.Tensor:
+        if storage == "block-major":
+            return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+        if storage == "head-major":
+            return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3)
+        return torch.zeros(2 * num_blocks, block_size, num_kv_heads, head_dim)[::2]  # every other block
+
+    key, value = torch.randn(5, num_kv_heads, head_dim), torch.randn(5, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor([13, -1, 0, 31, 6])
+    caches = [empty_cache() for _ in range(4)]
+
+    cpu.cpu_reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
+    ref_reshape_and_cache(key, value, caches[2], caches[3], slot_mapping)
+
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_torch_decode_handles_more_sequences_than_one_gather_holds(paged_batch, monkeypatch, torch_decode):
+    monkeypatch.setattr(cpu, "_DECODE_GATHER_BYTES", 1)  # one sequence per group
+    batch = paged_batch(**DECODE, num_heads=6)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    torch.testing.assert_close(out, ref_paged_attention(*batch.args()), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_sort_by_length_and_bound_padding():
+    from kernels.cpu import _DECODE_PADDING, _decode_groups
+
+    lens = [500, 3, 40, 480, 41, 39, 1, 510, 100]
+    groups = _decode_groups(lens, bytes_per_position=1)
+
+    assert sorted(s for g in groups for s in g) == list(range(len(lens)))
+    flat = [lens[s] for g in groups for s in g]
+    assert flat == sorted(lens)
+    for g in groups:
+        longest, total = max(lens[s] for s in g), sum(lens[s] for s in g)
+        assert len(g) == 1 or longest * len(g) <= (1 + _DECODE_PADDING) * total
+    assert [lens[s] for s in groups[-1]] == [480, 500, 510]  # the long ones share one gather
+
+
+def test_gathers_reuse_scratch_between_calls(paged_batch, torch_decode):
+    """Two calls in a row (as two layers of one step) each see their own cache, not stale scratch."""
+    first = paged_batch(**DECODE, head_major=True, seed=1)
+    second = paged_batch(**DECODE, head_major=True, seed=2)
+
+    out_first = cpu.cpu_paged_attention(*first.args()).clone()
+    out_second = cpu.cpu_paged_attention(*second.args())
+
+    torch.testing.assert_close(out_first, ref_paged_attention(*first.args()), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_second, ref_paged_attention(*second.args()), atol=1e-5, rtol=1e-5)
+
+
+def test_scratch_works_in_and_out_of_inference_mode(paged_batch, torch_decode):
+    """The model runner calls the CPU path under ``torch.inference_mode``, tests call it outside:
+    the reused gather buffers must serve both, in either order."""
+    batch = paged_batch(**MIXED, head_major=True, seed=3)
+    expected = ref_paged_attention(*batch.args())
+    with torch.inference_mode():
+        inside = cpu.cpu_paged_attention(*batch.args())
+    outside = cpu.cpu_paged_attention(*batch.args())
+    torch.testing.assert_close(inside, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outside, expected, atol=1e-5, rtol=1e-5)

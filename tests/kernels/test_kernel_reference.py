@@ -1,4 +1,4 @@
-"""The torch references — the CPU execution path — against plain attention on contiguous K/V."""
+"""The plain torch references — the oracle of every kernel — against attention on contiguous K/V."""
 
 from __future__ import annotations
 
@@ -71,44 +71,6 @@ def test_ref_paged_attention_writes_into_out(paged_batch):
     torch.testing.assert_close(out, causal_attention_on_contiguous_kv(batch), atol=1e-5, rtol=1e-5)
 
 
-def test_ref_decode_handles_more_sequences_than_one_gather_holds(paged_batch, monkeypatch):
-    import kernels.reference as reference
-
-    monkeypatch.setattr(reference, "_DECODE_GATHER_BYTES", 1)  # one sequence per group
-    batch = paged_batch(**DECODE, num_heads=6)
-
-    out = ref_paged_attention(*batch.args())
-
-    torch.testing.assert_close(out, causal_attention_on_contiguous_kv(batch), atol=1e-5, rtol=1e-5)
-
-
-def test_decode_groups_sort_by_length_and_bound_padding():
-    from kernels.reference import _DECODE_PADDING, _decode_groups
-
-    lens = [500, 3, 40, 480, 41, 39, 1, 510, 100]
-    groups = _decode_groups(lens, bytes_per_position=1)
-
-    assert sorted(s for g in groups for s in g) == list(range(len(lens)))
-    flat = [lens[s] for g in groups for s in g]
-    assert flat == sorted(lens)
-    for g in groups:
-        longest, total = max(lens[s] for s in g), sum(lens[s] for s in g)
-        assert len(g) == 1 or longest * len(g) <= (1 + _DECODE_PADDING) * total
-    assert [lens[s] for s in groups[-1]] == [480, 500, 510]  # the long ones share one gather
-
-
-def test_ref_gathers_reuse_scratch_between_calls(paged_batch):
-    """Two calls in a row (as two layers of one step) each see their own cache, not stale scratch."""
-    first = paged_batch(**DECODE, head_major=True, seed=1)
-    second = paged_batch(**DECODE, head_major=True, seed=2)
-
-    out_first = ref_paged_attention(*first.args()).clone()
-    out_second = ref_paged_attention(*second.args())
-
-    torch.testing.assert_close(out_first, causal_attention_on_contiguous_kv(first), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out_second, causal_attention_on_contiguous_kv(second), atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("storage", ["block-major", "head-major", "strided"])
 def test_ref_reshape_and_cache_writes_each_slot_and_skips_minus_one(slot_dtype, storage):
@@ -139,11 +101,10 @@ def test_get_attention_ops_selects_backend():
     torch_ops = get_attention_ops("torch")
     assert torch_ops.backend == "torch"
     assert torch_ops.paged_attention is ref_paged_attention
-    from kernels import cpu
-
-    expected = "triton" if torch.cuda.is_available() else ("cpu" if cpu.available() else "torch")
-    assert get_attention_ops("auto").backend == expected
-    assert get_attention_ops("cpu").backend == ("cpu" if cpu.available() else "torch")
+    assert get_attention_ops("auto").backend == ("triton" if torch.cuda.is_available() else "cpu")
+    assert get_attention_ops("auto", "cpu").backend == "cpu"
+    assert get_attention_ops("auto", "cuda").backend == "triton"
+    assert get_attention_ops("cpu").paged_attention.__name__ == "cpu_paged_attention"
     assert get_attention_ops("triton").paged_attention.__name__ == "paged_attention"
     with pytest.raises(ValueError, match="backend"):
         get_attention_ops("cuda")
@@ -153,19 +114,7 @@ def test_importing_kernels_does_not_import_triton():
     import subprocess
     import sys
 
-    code = "import sys, kernels, kernels.reference; print('triton' in sys.modules)"
+    code = "import sys, kernels, kernels.reference, kernels.cpu; print('triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
-
-
-def test_ref_scratch_works_in_and_out_of_inference_mode(paged_batch):
-    """The model runner calls the reference under ``torch.inference_mode``, tests call it outside:
-    the reused gather buffers must serve both, in either order."""
-    batch = paged_batch(**DECODE, head_major=True, seed=3)
-    expected = causal_attention_on_contiguous_kv(batch)
-    with torch.inference_mode():
-        inside = ref_paged_attention(*batch.args())
-    outside = ref_paged_attention(*batch.args())
-    torch.testing.assert_close(inside, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outside, expected, atol=1e-5, rtol=1e-5)
