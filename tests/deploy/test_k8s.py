@@ -11,7 +11,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.deploy.manifests import KEDA_SCHEMA, OVERLAYS, find, one, render
+from .manifests import KEDA_SCHEMA, OVERLAYS, find, one, render
 
 # 1.28: native gRPC probes (GA 1.27) and every API used here are stable; 1.37: the newest schema
 # kubernetes-validate bundles.

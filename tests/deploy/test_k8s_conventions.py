@@ -27,7 +27,7 @@ import gateway_service.main
 import scheduler_service.main
 import worker_service.main
 from pagedserve.redis_keys import SCHEDULER_GROUP, RedisKeys
-from tests.deploy.manifests import (OVERLAYS, container_env, find, named_port, one, pod_spec, render,
+from .manifests import (OVERLAYS, container_env, find, named_port, one, pod_spec, render,
                                     workloads)
 
 ROLES: dict[str, ModuleType] = {
@@ -78,9 +78,9 @@ def test_services_accept_their_arguments_and_listen_where_probed(objects, role):
 
 
 def test_every_pagedserve_variable_names_a_flag_of_its_role(objects):
-    flags = {role: {a.dest for a in module.build_parser({})._actions} for role, module in ROLES.items()}
-    shared = set(one(objects, "ConfigMap", _service(objects, "gateway")[1]["envFrom"][0]["configMapRef"]["name"])
-                 ["data"])
+    flags = {role: set(vars(module.build_parser({}).parse_args([]))) for role, module in ROLES.items()}
+    (settings_map,) = find(objects, "ConfigMap")
+    shared = set(settings_map["data"])
 
     for name in shared - NON_FLAG_VARIABLES - PENDING_FLAG_VARIABLES:
         if name.startswith("PAGEDSERVE_"):
