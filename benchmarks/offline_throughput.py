@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output", default="benchmarks/results/offline_throughput.json")
     args = p.parse_args(argv)
 
-    from pagedserve.model_registry import resolve_model
+    from servicekit.model_registry import resolve_model
     from worker_service.loader import load_hf_config, resolve_dtype
 
     source = resolve_model(args.model)

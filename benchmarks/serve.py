@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args(argv)
 
-    from pagedserve.model_registry import resolve_model
+    from servicekit.model_registry import resolve_model
 
     if args.torch_threads:  # the stack's processes inherit it; the in-process engine is set below
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)

@@ -3,7 +3,7 @@ in the gateway touches ``*_pb2`` (STYLE.md 5)."""
 
 from __future__ import annotations
 
-from pagedserve.convert import (
+from servicekit.proto.convert import (
     FINISH_REASON_FROM_PB,
     FINISH_REASON_TO_PB,
     logprobs_from_pb,
@@ -11,11 +11,11 @@ from pagedserve.convert import (
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
-from pagedserve.errors import InvalidArgumentError
-from pagedserve.pb import generation_pb2, queue_pb2
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.proto.pb import generation_pb2, queue_pb2
 from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
 from gateway_service.model_limits import ModelLimits
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 
 
 def _messages(chat) -> list[dict[str, str]]:
@@ -23,7 +23,7 @@ def _messages(chat) -> list[dict[str, str]]:
 
 
 def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
-    """Raises InvalidParameterError / InvalidArgumentError naming the first bad field."""
+    """Raises InvalidArgumentError / InvalidArgumentError naming the first bad field."""
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or prompt_token_ids is required")

@@ -24,10 +24,10 @@ from gateway_service.model_limits import ModelLimits, ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.tokenizer import PromptTokenizer
-from pagedserve.errors import AbortedError, InvalidArgumentError, NotFoundError, UnavailableError
-from pagedserve.redis_keys import RedisKeys
-from scheduler_service.core.outputs import FinishReason
-from scheduler_service.core.sampling_params import SEED_RANGE, SamplingParams
+from servicekit.contract.errors import AbortedError, InvalidArgumentError, NotFoundError, UnavailableError
+from servicekit.redis_keys import RedisKeys
+from servicekit.contract.step import FinishReason
+from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
 
 log = logging.getLogger(__name__)
 

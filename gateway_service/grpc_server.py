@@ -1,6 +1,6 @@
 """The public Generation gRPC service: a thin layer of protobuf -> domain -> protobuf around
 :class:`~gateway_service.generation.GenerationService`. Errors are raised typed and mapped to
-status codes by the shared interceptor (pagedserve.serving)."""
+status codes by the shared interceptor (servicekit.serving)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from contextlib import aclosing
 
 from gateway_service import convert
 from gateway_service.generation import GenerationService
-from pagedserve.pb import GENERATION_SERVICE, generation_pb2_grpc
-from pagedserve.serving import ServerLifecycle
+from servicekit.proto.pb import GENERATION_SERVICE, generation_pb2_grpc
+from servicekit.serving import ServerLifecycle
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

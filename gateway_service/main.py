@@ -12,8 +12,8 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from pagedserve.flags import add_common_flags, add_flag
-from pagedserve.serving import service_main
+from servicekit.flags import add_common_flags, add_flag
+from servicekit.serving import service_main
 from gateway_service.settings import DEFAULT_PORT, GatewaySettings
 
 log = logging.getLogger("pagedserve.gateway")
@@ -40,7 +40,7 @@ class GatewayApp:
         from gateway_service.output_fanout import OutputFanout
         from gateway_service.request_queue import RequestQueue
         from gateway_service.tokenizer import PromptTokenizer, load_hf_tokenizer
-        from pagedserve.redis_keys import RedisKeys, ensure_request_group
+        from servicekit.redis_keys import RedisKeys, ensure_request_group
 
         s = self.settings
         keys = RedisKeys(s.key_prefix)

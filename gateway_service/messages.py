@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.core.outputs import FinishReason, TokenLogprobs
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.step import FinishReason, TokenLogprobs
+from servicekit.contract.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

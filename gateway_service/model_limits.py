@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from pagedserve.redis_keys import RedisKeys
-from pagedserve.serving import cancel_and_wait, cancel_requested
-from pagedserve.registry import WorkerRecord, list_workers
+from servicekit.redis_keys import RedisKeys
+from servicekit.serving import cancel_and_wait, cancel_requested
+from servicekit.registry import WorkerRecord, list_workers
 
 log = logging.getLogger(__name__)
 

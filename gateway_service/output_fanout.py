@@ -19,9 +19,9 @@ import logging
 
 from redis.exceptions import RedisError
 
-from pagedserve.errors import UnavailableError
-from pagedserve.redis_keys import RedisKeys
-from pagedserve.serving import cancel_and_wait, cancel_requested
+from servicekit.contract.errors import UnavailableError
+from servicekit.redis_keys import RedisKeys
+from servicekit.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
 

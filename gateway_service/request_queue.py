@@ -4,8 +4,8 @@ output stream's first entry, and the fan-out wake-up, in one round trip) and abo
 from __future__ import annotations
 
 from gateway_service.output_fanout import WAKE_MAXLEN, WAKE_TTL_S
-from pagedserve.errors import AlreadyExistsError, ResourceExhaustedError
-from pagedserve.redis_keys import SCHEDULER_GROUP, RedisKeys
+from servicekit.contract.errors import AlreadyExistsError, ResourceExhaustedError
+from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
 
 ABORTS_MAXLEN = 10_000
 

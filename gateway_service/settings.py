@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from pagedserve.redis_keys import RedisKeys
+from servicekit.redis_keys import RedisKeys
 
 DEFAULT_PORT = 50051
 

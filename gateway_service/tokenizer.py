@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.errors import InvalidArgumentError
+from servicekit.contract.errors import InvalidArgumentError
 
 
 def load_hf_tokenizer(model: str) -> Any:
     """The tokenizer of ``model`` (a short name, a folder or a .gguf file)."""
     from transformers import AutoTokenizer
 
-    from pagedserve.model_registry import resolve_model
+    from servicekit.model_registry import resolve_model
 
     source = resolve_model(model)
     return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())

@@ -17,7 +17,7 @@ _LAZY = {
     "Client": "pagedserve.client",
     "LLM": "pagedserve.llm",
     "RequestOutput": "pagedserve.llm",
-    "SamplingParams": "scheduler_service.core.sampling_params",
+    "SamplingParams": "servicekit.contract.sampling_params",
 }
 
 __all__ = sorted(_LAZY)
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from pagedserve.aio_client import AsyncClient
     from pagedserve.client import Client
     from pagedserve.llm import LLM, RequestOutput
-    from scheduler_service.core.sampling_params import SamplingParams
+    from servicekit.contract.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve.errors import from_rpc_error
-from pagedserve.pb import scheduler_pb2, scheduler_pb2_grpc
+from servicekit.proto.pb import scheduler_pb2, scheduler_pb2_grpc
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,12 +25,12 @@ from typing import Any
 
 import grpc
 
-from pagedserve import convert
+from pagedserve import wire
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient, parse_addresses
-from pagedserve.pb import generation_pb2, generation_pb2_grpc
-from pagedserve.serving import CHANNEL_OPTIONS
+from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
+from servicekit.serving import CHANNEL_OPTIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 # Reconnect quickly after a failed connect, so a retry can reach a gateway that just came up.
@@ -69,7 +69,7 @@ class AsyncStream(StreamCall):
             if msg is grpc.aio.EOF:
                 self._done = True
                 raise StopAsyncIteration
-            chunk = convert.chunk_from_pb(msg)
+            chunk = wire.chunk_from_pb(msg)
             self._failover.on_chunk(chunk.first_index, len(chunk.token_ids))
             if chunk.finish_reason is not None:
                 self._done = True
@@ -108,7 +108,7 @@ class GatewayClientBase:
                timeout: float | None = None, **kwargs):
         """Stream one generation. ``prompt``: text or token ids; ``messages``: a chat. The request
         id is chosen here (unless given), so the stream can be resumed on another gateway."""
-        request = convert.build_generate_request(
+        request = wire.build_generate_request(
             prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
         return self._stream_class(self._stubs, request,
                                   timeout=timeout if timeout is not None else self.timeout,
@@ -143,11 +143,11 @@ class AsyncClient(GatewayClientBase):
                     raise from_rpc_error(exc) from None
 
     async def tokenize(self, text: str | None = None, *, messages=None) -> list[int]:
-        reply = await self._unary("Tokenize", convert.build_tokenize_request(text, messages=messages))
+        reply = await self._unary("Tokenize", wire.build_tokenize_request(text, messages=messages))
         return list(reply.token_ids)
 
     async def model_info(self) -> ModelInfo:
-        return convert.model_info_from_pb(await self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
+        return wire.model_info_from_pb(await self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     async def close(self) -> None:
         for channel in self._channels:

@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pagedserve.flags import add_flag
+from servicekit.flags import add_flag
 
 SERVICES = ("gateway", "scheduler", "worker")
 

@@ -16,12 +16,12 @@ import time
 
 import grpc
 
-from pagedserve import convert
+from pagedserve import wire
 from pagedserve.aio_client import GatewayClientBase
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient
-from pagedserve.pb import generation_pb2
+from servicekit.proto.pb import generation_pb2
 
 
 class Stream(StreamCall):
@@ -51,7 +51,7 @@ class Stream(StreamCall):
                 time.sleep(delay)
                 self._start()
                 continue
-            chunk = convert.chunk_from_pb(msg)
+            chunk = wire.chunk_from_pb(msg)
             self._failover.on_chunk(chunk.first_index, len(chunk.token_ids))
             if chunk.finish_reason is not None:
                 self._done = True
@@ -97,10 +97,10 @@ class Client(GatewayClientBase):
                     raise from_rpc_error(exc) from None
 
     def tokenize(self, text: str | None = None, *, messages=None) -> list[int]:
-        return list(self._unary("Tokenize", convert.build_tokenize_request(text, messages=messages)).token_ids)
+        return list(self._unary("Tokenize", wire.build_tokenize_request(text, messages=messages)).token_ids)
 
     def model_info(self) -> ModelInfo:
-        return convert.model_info_from_pb(self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
+        return wire.model_info_from_pb(self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     def close(self) -> None:
         for channel in self._channels:

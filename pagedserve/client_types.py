@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.core.outputs import TokenLogprobs
+from servicekit.contract.step import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

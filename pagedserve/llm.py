@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.outputs import TokenLogprobs
+from servicekit.contract.step import TokenLogprobs
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 
 Prompt = Union[str, Sequence[int]]
@@ -56,7 +56,7 @@ def load_tokenizer(model: str) -> Any:
     """The Hugging Face tokenizer of ``model`` (any name :func:`resolve_model` accepts)."""
     from transformers import AutoTokenizer
 
-    from pagedserve.model_registry import resolve_model
+    from servicekit.model_registry import resolve_model
 
     source = resolve_model(model)
     try:
@@ -140,7 +140,7 @@ class LLM:
 
         ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one for
         all prompts or one per prompt (default ``SamplingParams()``). Invalid input raises
-        ``InvalidParameterError`` naming the field before any request runs.
+        ``InvalidArgumentError`` naming the field before any request runs.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)

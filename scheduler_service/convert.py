@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.convert import (
+from servicekit.proto.convert import (
     FINISH_REASON_TO_PB,
     logprobs_from_pb,
     logprobs_to_pb,
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
-from pagedserve.pb import queue_pb2, scheduler_pb2, worker_pb2
-from scheduler_service.core.outputs import (
+from servicekit.proto.pb import queue_pb2, scheduler_pb2, worker_pb2
+from servicekit.contract.step import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
@@ -82,7 +82,7 @@ class QueuedRequest:
 
 def queued_request_from_record(data: bytes, output_token_ids=()) -> QueuedRequest:
     """The request of an EngineRequest record; ``output_token_ids``: outputs it already delivered
-    (a request taken over from a dead scheduler resumes after them). Raises InvalidParameterError
+    (a request taken over from a dead scheduler resumes after them). Raises InvalidArgumentError
     (bad sampling params) or google.protobuf DecodeError."""
     msg = queue_pb2.EngineRequest.FromString(data)
     request = Request(

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from pagedserve.serving import cancel_requested
+from servicekit.serving import cancel_requested
 from scheduler_service import convert
 from scheduler_service.convert import WorkerDescription
-from scheduler_service.core.errors import InvalidParameterError
-from scheduler_service.core.outputs import EngineCoreOutput, FinishReason
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.step import EngineCoreOutput, FinishReason
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.redis_queue import RedisQueue
@@ -218,7 +218,7 @@ class WorkerEngine:
             for request in inbox:
                 try:
                     self.core.add_request(request)
-                except InvalidParameterError as exc:
+                except InvalidArgumentError as exc:
                     errors.append((request.request_id, exc.field, exc.message))
         if self._aborts:
             aborts, self._aborts = self._aborts, set()

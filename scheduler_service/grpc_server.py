@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagedserve.pb import SCHEDULER_ADMIN_SERVICE, scheduler_pb2_grpc
-from pagedserve.serving import ServerLifecycle
+from servicekit.proto.pb import SCHEDULER_ADMIN_SERVICE, scheduler_pb2_grpc
+from servicekit.serving import ServerLifecycle
 from scheduler_service import convert
 
 

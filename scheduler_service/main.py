@@ -11,8 +11,8 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from pagedserve.flags import add_common_flags, add_flag
-from pagedserve.serving import service_main
+from servicekit.flags import add_common_flags, add_flag
+from servicekit.serving import service_main
 from scheduler_service.core.config import POLICIES
 from scheduler_service.settings import DEFAULT_PORT, SchedulerSettings, default_consumer
 

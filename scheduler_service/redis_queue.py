@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
-from pagedserve.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
+from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
 
 DEAD_LETTERS_MAXLEN = 10_000
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
-from pagedserve.redis_keys import RedisKeys, ensure_request_group
-from pagedserve.serving import cancel_and_wait, cancel_requested
+from servicekit.redis_keys import RedisKeys, ensure_request_group
+from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.contract.errors import InvalidArgumentError
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
@@ -207,7 +207,7 @@ class SchedulerApp:
         """Place one request entry (new, or taken over with ``delivered`` outputs)."""
         try:
             queued = convert.queued_request_from_record(entry.data, output_token_ids=delivered or ())
-        except (InvalidParameterError, DecodeError) as exc:
+        except (InvalidArgumentError, DecodeError) as exc:
             field = getattr(exc, "field", "")
             log.warning("refusing malformed request %s: %s", entry.request_id, exc)
             await self._finish_unstarted(entry.entry_id, entry.request_id, field, str(exc))

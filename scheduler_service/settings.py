@@ -8,7 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from pagedserve.redis_keys import RedisKeys
+from servicekit.redis_keys import RedisKeys
 from scheduler_service.core.config import POLICIES
 
 DEFAULT_PORT = 50052

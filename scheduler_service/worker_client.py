@@ -10,11 +10,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
-from pagedserve.serving import CHANNEL_OPTIONS
+from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from servicekit.serving import CHANNEL_OPTIONS
 from scheduler_service import convert
 from scheduler_service.convert import WorkerDescription
-from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 import grpc
 from redis.exceptions import RedisError
 
-from pagedserve.redis_keys import RedisKeys
-from pagedserve.registry import Heartbeat, SchedulerRecord, WorkerRecord, list_schedulers, list_workers
-from pagedserve.serving import cancel_and_wait, cancel_requested
+from servicekit.redis_keys import RedisKeys
+from servicekit.registry import Heartbeat, SchedulerRecord, WorkerRecord, list_schedulers, list_workers
+from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
@@ -303,7 +303,7 @@ class WorkerPool:
             enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
         try:
             core = Scheduler(config, info, seed_rng=random.Random(self._rng.getrandbits(64)))
-        except ValueError as exc:  # settings that cannot work with this worker (InvalidParameterError)
+        except ValueError as exc:  # settings that cannot work with this worker (InvalidArgumentError)
             log.error("cannot drive worker %s with these settings: %s", address, exc)
             await client.close()
             await self._release(description.worker_id)

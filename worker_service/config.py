@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from kernels import BACKENDS as ATTENTION_BACKENDS
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.contract.errors import InvalidArgumentError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -21,12 +21,12 @@ def parse_memory(value: str | int, field: str = "kv_cache_memory") -> int:
     elif isinstance(value, str) and (m := re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)):
         number, unit = float(m.group(1)), m.group(2).lower()
     else:
-        raise InvalidParameterError(field, f"expected a size such as '2GiB' or a byte count, got {value!r}")
+        raise InvalidArgumentError(field, f"expected a size such as '2GiB' or a byte count, got {value!r}")
     if unit not in _UNITS:
-        raise InvalidParameterError(field, f"unknown unit {unit!r} (use B, KiB, MiB, GiB, KB, MB, GB)")
+        raise InvalidArgumentError(field, f"unknown unit {unit!r} (use B, KiB, MiB, GiB, KB, MB, GB)")
     size = int(number * _UNITS[unit])
     if size <= 0:
-        raise InvalidParameterError(field, f"must be positive, got {value!r}")
+        raise InvalidArgumentError(field, f"must be positive, got {value!r}")
     return size
 
 
@@ -40,7 +40,7 @@ class ModelRunnerConfig:
     full-length sequences can use.
     """
 
-    model: str  # short name, HF folder, or .gguf path (pagedserve.model_registry)
+    model: str  # short name, HF folder, or .gguf path (servicekit.model_registry)
     dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's half type (else bfloat16) on CUDA
     device: str | None = None  # None = cuda when available, else cpu
     block_size: int = 16
@@ -56,20 +56,20 @@ class ModelRunnerConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise InvalidParameterError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidParameterError(
+            raise InvalidArgumentError(
                 "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(name, f"must be a positive integer, got {value!r}")
+                raise InvalidArgumentError(name, f"must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise InvalidParameterError("max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
+            raise InvalidArgumentError("max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
-            raise InvalidParameterError("num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks!r}")
+            raise InvalidArgumentError("num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks!r}")
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise InvalidParameterError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction}")
+            raise InvalidArgumentError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction}")

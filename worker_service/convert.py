@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from pagedserve.convert import logprobs_to_pb, sampling_params_from_pb
-from pagedserve.pb import worker_pb2
-from scheduler_service.core.outputs import (
+from servicekit.proto.convert import logprobs_to_pb, sampling_params_from_pb
+from servicekit.proto.pb import worker_pb2
+from servicekit.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,

@@ -14,10 +14,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from pagedserve.errors import FailedPreconditionError
-from pagedserve.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
-from pagedserve.serving import ServerLifecycle
-from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from servicekit.contract.errors import FailedPreconditionError
+from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from servicekit.serving import ServerLifecycle
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from worker_service import convert
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import heapq
 import numpy as np
 
-from scheduler_service.core.outputs import CachedRequestData, NewRequestData
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.step import CachedRequestData, NewRequestData
+from servicekit.contract.sampling_params import SamplingParams
 
 
 class InputBatch:

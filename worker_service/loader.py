@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.model_registry import ModelSource, resolve_model
+from servicekit.model_registry import ModelSource, resolve_model
 from worker_service.models import model_class_for
 from worker_service.models.layers import RotaryEmbedding
 from worker_service.models.llama import LlamaForCausalLM

@@ -17,10 +17,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.flags import add_common_flags, add_flag
-from pagedserve.redis_keys import RedisKeys
-from pagedserve.registry import Heartbeat, WorkerRecord
-from pagedserve.serving import service_main
+from servicekit.flags import add_common_flags, add_flag
+from servicekit.redis_keys import RedisKeys
+from servicekit.registry import Heartbeat, WorkerRecord
+from servicekit.serving import service_main
 from worker_service.config import ATTENTION_BACKENDS, DTYPES, ModelRunnerConfig
 
 log = logging.getLogger("pagedserve.worker")

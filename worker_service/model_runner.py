@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from kernels import get_attention_ops
-from scheduler_service.core.errors import InvalidParameterError
-from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
@@ -65,7 +65,7 @@ class ModelRunner:
         cfg = self.model.cfg
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
-            raise InvalidParameterError("max_model_len", f"{self.max_model_len} exceeds the model's "
+            raise InvalidArgumentError("max_model_len", f"{self.max_model_len} exceeds the model's "
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
         if self.device.type == "cpu":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from scheduler_service.core.outputs import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 _MASK = (1 << 64) - 1
 
@@ -93,7 +93,7 @@ def build_simulated_runner(model: str, *, step_latency: tuple[float, float], num
                            max_model_len: int | None) -> SimulatedRunner:
     """A SimulatedRunner reporting ``model``'s name, vocabulary and EOS ids (read from its config,
     no weights), with ``num_blocks`` KV blocks (none allocated)."""
-    from pagedserve.model_registry import resolve_model
+    from servicekit.model_registry import resolve_model
     from worker_service.loader import load_hf_config
 
     config = load_hf_config(resolve_model(model))

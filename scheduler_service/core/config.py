@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.contract.errors import InvalidArgumentError
 
 POLICIES = ("fcfs", "priority")
 
@@ -14,7 +14,7 @@ class SchedulerConfig:
     """How one scheduler forms batches.
 
     Invariant (enforced in ``__post_init__``): every field is in range; a bad value raises
-    :class:`InvalidParameterError` naming the field.
+    :class:`InvalidArgumentError` naming the field.
     """
 
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
@@ -30,13 +30,13 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidParameterError(name, f"must be a bool, got {getattr(self, name)!r}")
+                raise InvalidArgumentError(name, f"must be a bool, got {getattr(self, name)!r}")
         if self.policy not in POLICIES:
-            raise InvalidParameterError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+            raise InvalidArgumentError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParameterError(name, f"must be an integer, got {value!r}")
+        raise InvalidArgumentError(name, f"must be an integer, got {value!r}")
     if value < minimum:
-        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(name, f"must be >= {minimum}, got {value}")

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.contract.errors import InvalidArgumentError
 from scheduler_service.core.kv_cache_manager import KVCacheManager
-from scheduler_service.core.outputs import (
+from servicekit.contract.step import (
     CachedRequestData,
     EngineCoreOutput,
     FinishReason,
@@ -25,7 +25,7 @@ from scheduler_service.core.outputs import (
 )
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.request_queue import create_request_queue
-from scheduler_service.core.sampling_params import SEED_RANGE
+from servicekit.contract.sampling_params import SEED_RANGE
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -62,7 +62,7 @@ class Scheduler:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < worker.max_model_len:
             # Without chunking a resumed request (prompt + outputs, up to max_model_len tokens) must
             # fit in one step, or it would wait forever.
-            raise InvalidParameterError(
+            raise InvalidArgumentError(
                 "max_num_batched_tokens",
                 f"must be >= max_model_len ({worker.max_model_len}) when chunked prefill is off, "
                 f"got {config.max_num_batched_tokens}")
@@ -84,40 +84,40 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Validate ``request`` against the worker's limits and queue it (WAITING).
 
-        Raises InvalidParameterError naming ``request_id`` (a live request has that id), ``prompt``
+        Raises InvalidArgumentError naming ``request_id`` (a live request has that id), ``prompt``
         (empty, token ids outside the vocabulary, or too long) or ``max_tokens`` (prompt + max_tokens
         past max_model_len or past the KV-cache size, or no output left to generate). On success the
         request has a seed (drawn from ``seed_rng`` if it had none) and its block hashes.
         """
         rid = request.request_id
         if rid in self.requests:
-            raise InvalidParameterError("request_id", f"a request with id {rid!r} is already running")
+            raise InvalidArgumentError("request_id", f"a request with id {rid!r} is already running")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"{rid}: only fresh requests can be added, got {request!r}")
         prompt = request.prompt_token_ids
         if not prompt:
-            raise InvalidParameterError("prompt", "must contain at least one token")
+            raise InvalidArgumentError("prompt", "must contain at least one token")
         try:
             lo, hi = min(request.all_token_ids), max(request.all_token_ids)
         except TypeError:
-            raise InvalidParameterError("prompt", "token ids must be integers") from None
+            raise InvalidArgumentError("prompt", "token ids must be integers") from None
         if lo < 0 or hi >= self.worker.vocab_size:
-            raise InvalidParameterError("prompt", f"token ids must be in [0, {self.worker.vocab_size}), "
+            raise InvalidArgumentError("prompt", f"token ids must be in [0, {self.worker.vocab_size}), "
                                                   f"got one in [{lo}, {hi}]")
         max_len = self.max_model_len
         if request.num_prompt_tokens >= max_len:
-            raise InvalidParameterError("prompt", f"{request.num_prompt_tokens} tokens; the model takes "
+            raise InvalidArgumentError("prompt", f"{request.num_prompt_tokens} tokens; the model takes "
                                                   f"at most {max_len - 1} prompt tokens")
         max_total = request.num_prompt_tokens + request.max_tokens
         if max_total > max_len:
-            raise InvalidParameterError("max_tokens", f"prompt ({request.num_prompt_tokens}) + max_tokens "
+            raise InvalidArgumentError("max_tokens", f"prompt ({request.num_prompt_tokens}) + max_tokens "
                                                       f"({request.max_tokens}) exceeds max_model_len ({max_len})")
         kv = self.kv_cache_manager
         if kv.get_num_blocks_needed(max_total) > kv.num_total_blocks:
-            raise InvalidParameterError("max_tokens", f"prompt + max_tokens ({max_total} tokens) needs more "
+            raise InvalidArgumentError("max_tokens", f"prompt + max_tokens ({max_total} tokens) needs more "
                                                       f"KV blocks than the worker has ({kv.num_total_blocks})")
         if request.num_output_tokens >= request.max_tokens:
-            raise InvalidParameterError("max_tokens", f"the request already has {request.num_output_tokens} "
+            raise InvalidArgumentError("max_tokens", f"the request already has {request.num_output_tokens} "
                                                       f"outputs (max_tokens {request.max_tokens})")
         params = request.sampling_params
         if params.seed is None:

@@ -19,7 +19,7 @@ import pytest
 from pagedserve.admin import async_scheduler_stats
 from pagedserve.aio_client import AsyncClient
 from pagedserve.local_cluster import LocalCluster
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 
 from .conftest import wait_for_async
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core import InvalidParameterError, SamplingParams, SchedulerConfig
+from scheduler_service.core import InvalidArgumentError, SamplingParams, SchedulerConfig
 
 
 @pytest.mark.parametrize(
@@ -16,7 +16,7 @@ from scheduler_service.core import InvalidParameterError, SamplingParams, Schedu
     ],
 )
 def test_scheduler_config_names_the_bad_field(field, value):
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         SchedulerConfig(**{field: value})
     assert e.value.field == field
 
@@ -38,13 +38,13 @@ def test_scheduler_config_defaults():
     ],
 )
 def test_sampling_params_names_the_bad_field(field, value):
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         SamplingParams(**{field: value})
     assert e.value.field == field
 
 
 def test_min_tokens_above_max_tokens_names_min_tokens():
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         SamplingParams(max_tokens=2, min_tokens=3)
     assert e.value.field == "min_tokens"
 

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler_service.core import (
     FinishReason,
-    InvalidParameterError,
+    InvalidArgumentError,
     ModelRunnerOutput,
     RequestStatus,
     SamplingParams,
@@ -375,7 +375,7 @@ def test_without_chunking_a_prompt_that_does_not_fit_waits_for_the_next_step():
 
 
 def test_chunking_off_requires_a_budget_of_max_model_len():
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=256)
     assert e.value.field == "max_num_batched_tokens"
 
@@ -407,7 +407,7 @@ def test_max_num_seqs_caps_the_running_batch():
 )
 def test_add_request_validates_against_the_worker(kwargs, field):
     s = make_scheduler()
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         s.add_request(make_request(**kwargs))
     assert e.value.field == field
     assert not s.has_unfinished_requests()
@@ -415,7 +415,7 @@ def test_add_request_validates_against_the_worker(kwargs, field):
 
 def test_add_request_rejects_a_request_bigger_than_the_kv_cache():
     s = make_scheduler(num_blocks=5)  # 16 tokens of KV
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         s.add_request(make_request(10, max_tokens=7))
     assert e.value.field == "max_tokens"
 
@@ -423,7 +423,7 @@ def test_add_request_rejects_a_request_bigger_than_the_kv_cache():
 def test_duplicate_request_id_is_rejected():
     s = make_scheduler()
     s.add_request(make_request(4, request_id="x"))
-    with pytest.raises(InvalidParameterError) as e:
+    with pytest.raises(InvalidArgumentError) as e:
         s.add_request(make_request(4, request_id="x"))
     assert e.value.field == "request_id"
 

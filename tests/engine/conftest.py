@@ -44,7 +44,7 @@ class SmolLM2:
 def smollm2() -> SmolLM2:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedserve.model_registry import ModelNotFoundError, resolve_model
+    from servicekit.model_registry import ModelNotFoundError, resolve_model
 
     try:
         source = resolve_model("smollm2-135m")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.contract.errors import InvalidArgumentError
 from worker.factories import hf_greedy, random_prompts
 
 
@@ -47,7 +47,7 @@ def test_logprobs_one_per_token(llm):
 
 def test_invalid_requests_raise_before_anything_runs(llm):
     good = random_prompts([4], seed=4)[0]
-    with pytest.raises(InvalidParameterError, match="prompt"):
+    with pytest.raises(InvalidArgumentError, match="prompt"):
         llm.generate([good, [10**6]], SamplingParams(max_tokens=2))
     assert not llm.scheduler.has_unfinished_requests()
     with pytest.raises(ValueError, match="tokenizer"):

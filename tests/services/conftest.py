@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from pagedserve import gen
+from servicekit.proto import gen
 from pagedserve.launcher import find_redis_server, free_port, redis_pings
 
 if gen.is_stale():  # the generated code is git-ignored; `make gen` normally writes it

@@ -59,4 +59,4 @@ def test_services_start_after_what_they_need_is_healthy(compose):
 
 def test_dockerfile_generates_the_protobuf_code_with_the_one_command():
     dockerfile = (REPO / "Dockerfile").read_text()
-    assert "python -m pagedserve.gen" in dockerfile
+    assert "python -m servicekit.proto.gen" in dockerfile

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 
 from pagedserve.aio_client import AsyncClient
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 
 from .conftest import MAX_NUM_SEQS, NUM_BLOCKS
 from .test_health import NOT_SERVING, SERVING, health

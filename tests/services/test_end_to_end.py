@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pagedserve.client import Client
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 
 from .conftest import REPO, free_port
 

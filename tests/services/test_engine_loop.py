@@ -9,9 +9,9 @@ import pytest
 
 from scheduler_service.convert import WorkerDescription
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.outputs import ModelRunnerOutput, WorkerInfo
+from servicekit.contract.step import ModelRunnerOutput, WorkerInfo
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
 

@@ -12,11 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from pagedserve.failover import Failover, parse_addresses
-from pagedserve.pb import generation_pb2
-from pagedserve.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
+from servicekit.proto.pb import generation_pb2
+from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
 from scheduler_service import convert
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.outputs import (
+from servicekit.contract.step import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
@@ -24,7 +24,7 @@ from scheduler_service.core.outputs import (
     WorkerInfo,
 )
 from scheduler_service.core.request import Request
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.leases import WorkerLeases
 from scheduler_service.redis_queue import RedisQueue

@@ -12,8 +12,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import ResourceExhaustedError, UnavailableError
-from pagedserve.redis_keys import RedisKeys
-from pagedserve.registry import Heartbeat, WorkerRecord
+from servicekit.redis_keys import RedisKeys
+from servicekit.registry import Heartbeat, WorkerRecord
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 

@@ -9,15 +9,14 @@ from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatche
 from pagedserve import convert as shared_convert
 from pagedserve.errors import InvalidArgumentError, from_rpc_error
 from scheduler_service import convert as scheduler_convert
-from scheduler_service.core.errors import InvalidParameterError
-from scheduler_service.core.outputs import (
+from servicekit.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 from worker_service import convert as worker_convert
 
 
@@ -57,7 +56,7 @@ def test_sampling_params_round_trip_keeps_defaults_and_values():
 def test_bad_sampling_field_on_the_wire_raises_naming_it():
     msg = shared_convert.sampling_params_to_pb(SamplingParams())
     msg.top_p = 2.0
-    with pytest.raises(InvalidParameterError) as info:
+    with pytest.raises(InvalidArgumentError) as info:
         shared_convert.sampling_params_from_pb(msg)
     assert info.value.field == "top_p"
 

@@ -1,5 +1,5 @@
 """The protos document every service, rpc, message, enum value and field (STYLE.md 6), and the
-generated code is what `python -m pagedserve.gen` makes of them."""
+generated code is what `python -m servicekit.proto.gen` makes of them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from pagedserve import gen
+from servicekit.proto import gen
 
 from .conftest import REPO
 
@@ -39,7 +39,7 @@ def test_every_declaration_is_documented(path):
 
 def test_generated_code_is_current_and_importable():
     assert not gen.is_stale()
-    from pagedserve import pb
+    from servicekit.proto import pb
 
     assert pb.GENERATION_SERVICE == "pagedserve.v1.Generation"
     assert pb.WORKER_SERVICE == "pagedserve.v1.Worker"
@@ -47,4 +47,4 @@ def test_generated_code_is_current_and_importable():
 
 
 def test_generated_code_is_git_ignored():
-    assert "pagedserve/proto_gen/" in (REPO / ".gitignore").read_text()
+    assert "servicekit/proto/proto_gen/" in (REPO / ".gitignore").read_text()

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from scheduler_service.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.step import CachedRequestData, NewRequestData, SchedulerOutput
+from servicekit.contract.sampling_params import SamplingParams
 
 TINY_VOCAB = 512
 TINY_EOS = 2

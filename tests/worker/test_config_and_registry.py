@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from pagedserve.model_registry import ModelNotFoundError, resolve_model
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.model_registry import ModelNotFoundError, resolve_model
+from servicekit.contract.errors import InvalidArgumentError
 from worker_service.config import parse_memory
 
 
@@ -22,7 +22,7 @@ def test_parse_memory(text, expected):
 
 @pytest.mark.parametrize("bad", ["", "lots", "2XB", "-1GiB", 0, True])
 def test_parse_memory_rejects_bad_sizes(bad):
-    with pytest.raises(InvalidParameterError, match="kv_cache_memory"):
+    with pytest.raises(InvalidArgumentError, match="kv_cache_memory"):
         parse_memory(bad)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler_service.core.outputs import CachedRequestData
+from servicekit.contract.step import CachedRequestData
 from worker.factories import new_req
 from worker_service.input_batch import InputBatch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler_service.core.outputs import CachedRequestData
+from servicekit.contract.step import CachedRequestData
 from worker.factories import hf_greedy, make_hf_model, make_runner, new_req, random_prompts, step
 from worker_service.config import ModelRunnerConfig
 from worker_service.kv_cache import bytes_per_block
@@ -122,13 +122,13 @@ def test_min_tokens_bans_eos_until_reached(hf):
 
 
 def test_config_rejects_bad_values():
-    from scheduler_service.core.errors import InvalidParameterError
+    from servicekit.contract.errors import InvalidArgumentError
 
-    with pytest.raises(InvalidParameterError, match="kv_cache_memory"):
+    with pytest.raises(InvalidArgumentError, match="kv_cache_memory"):
         ModelRunnerConfig(model="x", kv_cache_memory="lots")
-    with pytest.raises(InvalidParameterError, match="attention_backend"):
+    with pytest.raises(InvalidArgumentError, match="attention_backend"):
         ModelRunnerConfig(model="x", attention_backend="cuda")
-    with pytest.raises(InvalidParameterError, match="num_blocks"):
+    with pytest.raises(InvalidArgumentError, match="num_blocks"):
         ModelRunnerConfig(model="x", num_blocks=1)
 
 

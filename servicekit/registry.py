@@ -16,7 +16,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from pagedserve.redis_keys import RedisKeys
+from servicekit.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Heartbeat:
         await pipe.execute()
 
     async def _run(self) -> None:
-        from pagedserve.serving import cancel_requested
+        from servicekit.serving import cancel_requested
 
         while not cancel_requested():
             await asyncio.sleep(self._ttl_ms / 3000)
@@ -149,7 +149,7 @@ class Heartbeat:
                 log.warning("registry heartbeat of %s failed: %s", self._key, exc)
 
     async def stop(self) -> None:
-        from pagedserve.serving import cancel_and_wait
+        from servicekit.serving import cancel_and_wait
 
         await cancel_and_wait([self._task])
         self._task = None

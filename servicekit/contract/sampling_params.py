@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from scheduler_service.core.errors import InvalidParameterError
+from servicekit.contract.errors import InvalidArgumentError
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -18,7 +18,7 @@ class SamplingParams:
     """How to sample one request's tokens and when to stop it.
 
     Invariant (enforced in ``__post_init__``): every field is in range; a bad value raises
-    :class:`InvalidParameterError` naming the field. ``temperature == 0`` means greedy.
+    :class:`InvalidArgumentError` naming the field. ``temperature == 0`` means greedy.
     """
 
     max_tokens: int = 16  # output tokens to generate at most (>= 1)
@@ -43,35 +43,35 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
-            raise InvalidParameterError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise InvalidArgumentError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_float("temperature", self.temperature, lo=0.0)
         _check_int("top_k", self.top_k, minimum=-1)
         if self.top_k == 0:
-            raise InvalidParameterError("top_k", "must be -1 (disabled) or >= 1, got 0")
+            raise InvalidArgumentError("top_k", "must be -1 (disabled) or >= 1, got 0")
         _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
             if self.seed >= SEED_RANGE:
-                raise InvalidParameterError("seed", f"must be < 2**63, got {self.seed}")
+                raise InvalidArgumentError("seed", f"must be < 2**63, got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidParameterError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidParameterError("stop", "stop strings must be non-empty strings")
+                raise InvalidArgumentError("stop", "stop strings must be non-empty strings")
             if len(s) > MAX_STOP_STRING_LEN:
-                raise InvalidParameterError("stop", f"a stop string is longer than {MAX_STOP_STRING_LEN} characters")
+                raise InvalidArgumentError("stop", f"a stop string is longer than {MAX_STOP_STRING_LEN} characters")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidParameterError("ignore_eos", "must be a bool")
+            raise InvalidArgumentError("ignore_eos", "must be a bool")
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
-                raise InvalidParameterError("logprobs", f"at most {MAX_LOGPROBS}, got {self.logprobs}")
+                raise InvalidArgumentError("logprobs", f"at most {MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -84,17 +84,17 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidParameterError(name, f"must be an integer, got {value!r}")
+        raise InvalidArgumentError(name, f"must be an integer, got {value!r}")
     if value < minimum:
-        raise InvalidParameterError(name, f"must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(name, f"must be >= {minimum}, got {value}")
 
 
 def _check_float(name: str, value: object, *, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidParameterError(name, f"must be a finite number, got {value!r}")
+        raise InvalidArgumentError(name, f"must be a finite number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise InvalidParameterError(name, f"must be {bound}, got {value}")
+        raise InvalidArgumentError(name, f"must be {bound}, got {value}")
     if hi is not None and value > hi:
-        raise InvalidParameterError(name, f"must be <= {hi}, got {value}")
+        raise InvalidArgumentError(name, f"must be <= {hi}, got {value}")

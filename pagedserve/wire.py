@@ -1,59 +1,17 @@
-"""Protobuf <-> dataclass conversions for the messages every service shares (sampling.proto).
-
-Each service's own ``convert.py`` builds on these; nothing else touches ``*_pb2`` (STYLE.md 5).
-"""
+"""The client SDK's protobuf layer: requests built from SDK arguments, replies turned into the SDK's
+dataclasses (:mod:`pagedserve.client_types`). Only the SDK touches ``*_pb2`` on the client side."""
 
 from __future__ import annotations
 
-from pagedserve.pb import sampling_pb2
-from scheduler_service.core.outputs import FinishReason, TokenLogprobs
-from scheduler_service.core.sampling_params import SamplingParams
-
-_SCALAR_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+from pagedserve.client_types import Chunk, ModelInfo, Usage
+from servicekit.contract.sampling_params import SamplingParams
+from servicekit.proto.convert import (
+    _SCALAR_FIELDS,
+    FINISH_REASON_FROM_PB,
+    logprobs_from_pb,
+    sampling_params_to_pb,
 )
-
-FINISH_REASON_TO_PB = {
-    None: sampling_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: sampling_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: sampling_pb2.FINISH_REASON_ABORT,
-}
-FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
-
-
-def sampling_params_from_pb(msg: sampling_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults; raises InvalidParameterError naming a bad field."""
-    kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
-    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
-
-
-def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None
-                          ) -> sampling_pb2.SamplingParams:
-    msg = out if out is not None else sampling_pb2.SamplingParams()
-    for name in _SCALAR_FIELDS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(msg, name, value)
-    msg.stop.extend(params.stop)
-    msg.stop_token_ids.extend(params.stop_token_ids)
-    return msg
-
-
-def logprobs_to_pb(items: list[TokenLogprobs], out) -> None:
-    """Append ``items`` to the repeated TokenLogprobs field ``out``."""
-    for item in items:
-        msg = out.add(token_id=item.token_id, logprob=item.logprob)
-        for token_id, logprob in item.top:
-            msg.top.add(token_id=token_id, logprob=logprob)
-
-
-def logprobs_from_pb(items) -> list[TokenLogprobs]:
-    return [TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in items]
-
-
-# -- client SDK ---------------------------------------------------------------------------------------
+from servicekit.proto.pb import generation_pb2, sampling_pb2
 
 _SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids"}
 
@@ -64,8 +22,6 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
                            **sampling):
     """A GenerateRequest from SDK arguments. ``prompt``: text or token ids; ``messages``: a chat.
     ``sampling``: SamplingParams fields by name (validated by the gateway, not here)."""
-    from pagedserve.pb import generation_pb2
-
     unknown = set(sampling) - _SAMPLING_KWARGS
     if unknown:
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))}")
@@ -96,8 +52,6 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
 
 
 def chunk_from_pb(msg):
-    from pagedserve.client_types import Chunk, Usage
-
     return Chunk(
         request_id=msg.request_id, text=msg.text, token_ids=tuple(msg.token_ids), first_index=msg.first_index,
         logprobs=tuple(logprobs_from_pb(msg.logprobs)) if msg.logprobs else (),
@@ -109,8 +63,6 @@ def chunk_from_pb(msg):
 
 
 def build_tokenize_request(text=None, *, messages=None, model: str = ""):
-    from pagedserve.pb import generation_pb2
-
     msg = generation_pb2.TokenizeRequest(model=model)
     if messages is not None:
         for m in messages:
@@ -121,7 +73,5 @@ def build_tokenize_request(text=None, *, messages=None, model: str = ""):
 
 
 def model_info_from_pb(msg):
-    from pagedserve.client_types import ModelInfo
-
     return ModelInfo(model=msg.model, max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
                      eos_token_ids=tuple(msg.eos_token_ids), num_workers=msg.num_workers, block_size=msg.block_size)

@@ -10,14 +10,14 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from servicekit.contract.errors import InvalidArgumentError
 
-class ModelNotFoundError(ValueError):
-    """The model name is neither a short name, a folder nor a GGUF file; ``field`` is ``model``."""
+
+class ModelNotFoundError(InvalidArgumentError):
+    """The model name is neither a short name, a folder nor a GGUF file (field ``model``)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"model: {message}")
-        self.field = "model"
-        self.message = message
+        super().__init__("model", message)
 
 
 @dataclass(frozen=True, slots=True)

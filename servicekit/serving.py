@@ -23,7 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.errors import FIELD_METADATA_KEY, InvalidArgumentError, PagedServeError
+from servicekit.contract.errors import PagedServeError
+from servicekit.proto.status import status_of
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +53,7 @@ def configure_logging(level: str) -> None:
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple] | None:
     """The (code, details, trailing metadata) a handler's exception travels as; None: not ours."""
-    if isinstance(exc, InvalidArgumentError):
-        return exc.code, str(exc), ((FIELD_METADATA_KEY, exc.field),)
-    if isinstance(exc, PagedServeError):
-        return exc.code, exc.message, ()
-    field = getattr(exc, "field", None)  # InvalidParameterError (core), ModelNotFoundError
-    if isinstance(exc, ValueError) and isinstance(field, str):
-        message = getattr(exc, "message", str(exc))
-        return grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}", ((FIELD_METADATA_KEY, field),)
-    return None
+    return status_of(exc) if isinstance(exc, PagedServeError) else None
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler_service.core.sampling_params import SamplingParams
+from servicekit.contract.sampling_params import SamplingParams
 
 
 class FinishReason(enum.Enum):

@@ -1,0 +1,1 @@
+"""(see servicekit/__init__.py)"""

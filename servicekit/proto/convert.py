@@ -1,0 +1,53 @@
+"""Protobuf <-> dataclass conversions for the messages every service shares (sampling.proto).
+
+Each service's own ``convert.py`` builds on these; nothing else touches ``*_pb2`` (STYLE.md 5).
+"""
+
+from __future__ import annotations
+
+from servicekit.proto.pb import sampling_pb2
+from servicekit.contract.step import FinishReason, TokenLogprobs
+from servicekit.contract.sampling_params import SamplingParams
+
+_SCALAR_FIELDS = (
+    "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+)
+
+FINISH_REASON_TO_PB = {
+    None: sampling_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: sampling_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: sampling_pb2.FINISH_REASON_ABORT,
+}
+FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
+
+
+def sampling_params_from_pb(msg: sampling_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults; raises InvalidArgumentError naming a bad field."""
+    kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+
+
+def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None
+                          ) -> sampling_pb2.SamplingParams:
+    msg = out if out is not None else sampling_pb2.SamplingParams()
+    for name in _SCALAR_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    msg.stop.extend(params.stop)
+    msg.stop_token_ids.extend(params.stop_token_ids)
+    return msg
+
+
+def logprobs_to_pb(items: list[TokenLogprobs], out) -> None:
+    """Append ``items`` to the repeated TokenLogprobs field ``out``."""
+    for item in items:
+        msg = out.add(token_id=item.token_id, logprob=item.logprob)
+        for token_id, logprob in item.top:
+            msg.top.add(token_id=token_id, logprob=logprob)
+
+
+def logprobs_from_pb(items) -> list[TokenLogprobs]:
+    return [TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in items]

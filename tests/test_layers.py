@@ -1,0 +1,47 @@
+"""The floors of DESIGN.md hold: import-linter's contracts (pyproject ``[tool.importlinter]``), and a
+client that imports only the SDK and runs the client commands pulls in no server dependency."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER_ONLY = ("torch", "transformers", "triton", "redis", "numpy", "scheduler_service", "worker_service",
+               "gateway_service", "kernels")
+
+
+def test_import_contracts_hold():
+    lint = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "broken" not in result.stdout.lower().replace("0 broken", "")
+
+
+CLIENT_SCRIPT = """
+import socket, sys
+with socket.socket() as s:  # a port nobody listens on: every command fails fast, after its imports
+    s.bind(("127.0.0.1", 0)); closed = f"127.0.0.1:{s.getsockname()[1]}"
+import pagedserve
+from pagedserve import AsyncClient, Client, SamplingParams
+import pagedserve.errors, pagedserve.admin
+from pagedserve.cli import main
+for argv in (["health", closed, "--timeout", "0.2"], ["stats", closed, "--timeout", "0.2"],
+             ["generate", "hi", "--address", closed, "--timeout", "0.3"],
+             ["chat", "hi", "--address", closed, "--timeout", "0.3"]):
+    try:
+        main(argv)
+    except BaseException as exc:  # the commands fail: nothing listens
+        pass
+print(" ".join(sorted(name for name in sys.modules if name.split(".")[0] in SERVER_ONLY)))
+"""
+
+
+def test_client_sdk_and_client_commands_import_no_server_dependency():
+    script = f"SERVER_ONLY = {SERVER_ONLY!r}\n" + CLIENT_SCRIPT
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1:] in ([], [""]), f"client imported: {result.stdout}"
