@@ -70,31 +70,32 @@ async def test_a_resume_with_another_prompt_or_parameters_is_refused_naming_what
     assert list(same.token_ids) == list(original.token_ids[3:])  # unseeded: the gateway's seed is kept
 
 
+async def owner_and_resumer(client, request_id: str):
+    """Two live readers of one long request: its owner (3 tokens read) and a resume from index 0
+    (1 token read). Returns (owner, tokens it read, resumer, tokens it read)."""
+    prompt = f"A story shared by two readers ({request_id})"
+    owner = client.stream(prompt, request_id=request_id, **LONG)
+    owner_seen = await read_tokens(owner, 3)
+    resumer = client.stream(prompt, request_id=request_id, resume_from_index=0, **LONG)
+    return owner, owner_seen, resumer, await read_tokens(resumer, 1)
+
+
 async def test_only_the_last_reader_to_leave_aborts_the_request(stack):
     async with AsyncClient(stack.gateway_address, timeout=120, retries=0) as client:
         # A resumer that gives up does not cut off the owner.
-        owner = client.stream("Shared story one", request_id="readers-abort-1", **LONG)
-        first = await read_tokens(owner, 3)
-        resumer = client.stream("Shared story one", request_id="readers-abort-1", resume_from_index=0, **LONG)
-        await read_tokens(resumer, 1)
+        owner, seen, resumer, _ = await owner_and_resumer(client, "readers-abort-1")
         await resumer.aclose()
         rest, finish = await rest_of(owner)
-        assert finish == "length" and len(first) + len(rest) == LONG["max_tokens"]
+        assert finish == "length" and len(seen) + len(rest) == LONG["max_tokens"]
 
         # The owner leaving does not cut off a resumer still reading.
-        owner = client.stream("Shared story two", request_id="readers-abort-2", **LONG)
-        await read_tokens(owner, 3)
-        resumer = client.stream("Shared story two", request_id="readers-abort-2", resume_from_index=0, **LONG)
-        seen = await read_tokens(resumer, 1)
+        owner, _, resumer, seen = await owner_and_resumer(client, "readers-abort-2")
         await owner.aclose()
         rest, finish = await rest_of(resumer)
         assert finish == "length" and len(seen) + len(rest) == LONG["max_tokens"]
 
         # When the last one leaves, the request is aborted and its blocks freed.
-        owner = client.stream("Shared story three", request_id="readers-abort-3", **LONG)
-        await read_tokens(owner, 3)
-        resumer = client.stream("Shared story three", request_id="readers-abort-3", resume_from_index=0, **LONG)
-        await read_tokens(resumer, 1)
+        owner, _, resumer, _ = await owner_and_resumer(client, "readers-abort-3")
         aborted_before = (await scheduler_stats(stack.scheduler_address)).num_aborted
         await owner.aclose()
         await resumer.aclose()
