@@ -33,7 +33,7 @@ from gateway_service.model_limits import ModelLimits, ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestDigests, RequestQueue
 from gateway_service.tokenizer import PromptTokenizer
-from pagedserve.errors import InvalidArgumentError, UnavailableError, error_for_code
+from pagedserve.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from pagedserve.redis_keys import RedisKeys
 from scheduler_service.core.outputs import FinishReason
 from scheduler_service.core.sampling_params import SEED_RANGE, SamplingParams
@@ -127,6 +127,7 @@ class GenerationService:
         iterator early (client gone, deadline) aborts the request when no other call reads it."""
         if self.draining:
             raise UnavailableError("the gateway is draining; use another replica")
+        deadline = time.time() + timeout_s if timeout_s else 0.0  # from the call's start, tokenizing included
         limits = await self.served_limits(inp.model)
         if inp.request_id and not REQUEST_ID_RE.fullmatch(inp.request_id):
             raise InvalidArgumentError("request_id", "at most 128 characters from [A-Za-z0-9._:-]")
@@ -146,9 +147,8 @@ class GenerationService:
                 if inp.resume_from_index is not None:
                     await self._queue.join(request_id, digests, self._fanout.wake_key)
                 else:
-                    now = time.time()
                     record = convert.engine_request_to_record(
-                        request_id, prompt_ids, params, arrival_time=now, deadline=now + timeout_s if timeout_s else 0.0,
+                        request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
                     await self._queue.admit(request_id, record, digests, self._fanout.wake_key)
             except RedisError as exc:
@@ -162,8 +162,10 @@ class GenerationService:
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
-            except UnavailableError:
-                finished = True  # Redis away: the request lives on; the client resumes it by id
+            except PagedServeError:
+                # Redis away (the request lives on; the client resumes it by id), or the request's
+                # own final error record: nothing to abort either way.
+                finished = True
                 raise
         finally:
             self._fanout.unsubscribe(sub)
