@@ -31,7 +31,7 @@ from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatche
 from gateway_service.messages import GenerateChunk, GenerateInput, Usage
 from gateway_service.model_limits import ModelLimits, ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
-from gateway_service.request_queue import RequestDigests, RequestQueue
+from gateway_service.request_queue import RequestQueue
 from gateway_service.tokenizer import PromptTokenizer
 from pagedserve.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from pagedserve.redis_keys import RedisKeys

@@ -81,7 +81,8 @@ class OutputFanout:
 
     def subscribe(self, key: str) -> Subscription:
         """Start delivering ``key``'s entries (from its beginning). The caller then writes to the
-        wake stream (:meth:`wake`, or within the admission script) so a blocked XREAD restarts."""
+        wake stream (the admission and join scripts of ``request_queue`` do) so a blocked XREAD
+        restarts."""
         sub = Subscription(key)
         self._subs.setdefault(key.encode(), []).append(sub)
         return sub
@@ -97,12 +98,6 @@ class OutputFanout:
 
     def _all_subs(self) -> list[Subscription]:
         return [sub for readers in self._subs.values() for sub in readers]
-
-    async def wake(self) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(self.wake_key, {"w": "1"}, maxlen=WAKE_MAXLEN, approximate=True)
-        pipe.expire(self.wake_key, WAKE_TTL_S)
-        await pipe.execute()
 
     async def _run(self) -> None:
         wake = self.wake_key.encode()
