@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import grpc
+
 from scheduler_service.core.outputs import FinishReason, TokenLogprobs
 from scheduler_service.core.sampling_params import SamplingParams
 
@@ -58,3 +60,4 @@ class OutputRecord:
     num_cached_tokens: int
     error_field: str = ""
     error_message: str = ""
+    error_code: grpc.StatusCode | None = None  # set with error_message: the status the client gets

@@ -5,6 +5,9 @@ Each service's own ``convert.py`` builds on these; nothing else touches ``*_pb2`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from pagedserve.errors import InvalidArgumentError
 from pagedserve.pb import sampling_pb2
 from scheduler_service.core.outputs import FinishReason, TokenLogprobs
 from scheduler_service.core.sampling_params import SamplingParams
@@ -53,6 +56,31 @@ def logprobs_from_pb(items) -> list[TokenLogprobs]:
     return [TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in items]
 
 
+# -- chat ---------------------------------------------------------------------------------------------
+
+CHAT_ROLES = ("system", "user", "assistant")  # generation.proto ChatMessage.role
+
+
+def check_chat_message(index: int, role, content) -> None:
+    """One chat turn as the gateway takes it: a known role and non-empty text. Raises
+    InvalidArgumentError naming the field (``messages[1].role``); the SDK and the gateway both
+    check with this, so a turn the SDK builds is one the gateway accepts."""
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidArgumentError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+    if not isinstance(content, str) or not content:
+        raise InvalidArgumentError(f"messages[{index}].content", "required: a non-empty string")
+
+
+def _add_chat(chat, messages) -> None:
+    """Append SDK ``messages`` (mappings with "role" and "content") to a Chat message."""
+    chat.SetInParent()  # an empty list is an empty chat (refused by the gateway), not no input
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidArgumentError(f"messages[{i}]", f"must be a mapping with role and content; got {type(m).__name__}")
+        check_chat_message(i, m.get("role"), m.get("content"))
+        chat.messages.add(role=m["role"], content=m["content"])
+
+
 # -- client SDK ---------------------------------------------------------------------------------------
 
 _SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids"}
@@ -72,8 +100,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     msg = generation_pb2.GenerateRequest(request_id=request_id, model=model, priority=priority,
                                          cache_salt=cache_salt, include_special_tokens=include_special_tokens)
     if messages is not None:
-        for m in messages:
-            msg.chat.messages.add(role=m["role"], content=m["content"])
+        _add_chat(msg.chat, messages)
     elif isinstance(prompt, str):
         msg.prompt = prompt
     elif prompt is not None:
@@ -113,8 +140,7 @@ def build_tokenize_request(text=None, *, messages=None, model: str = ""):
 
     msg = generation_pb2.TokenizeRequest(model=model)
     if messages is not None:
-        for m in messages:
-            msg.chat.messages.add(role=m["role"], content=m["content"])
+        _add_chat(msg.chat, messages)
     else:
         msg.text = text or ""
     return msg

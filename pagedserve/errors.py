@@ -107,6 +107,15 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
 }
 
 
+def error_for_code(code: grpc.StatusCode, message: str, *, field: str = "") -> PagedServeError:
+    """The typed error that travels as ``code`` (an INVALID_ARGUMENT names ``field``)."""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgumentError(field, message)
+    error = _BY_CODE.get(code, PagedServeError)(message)
+    error.code = code
+    return error
+
+
 def from_rpc_error(err: grpc.RpcError) -> PagedServeError:
     """The typed error for a failed call (``grpc.RpcError`` / ``grpc.aio.AioRpcError``)."""
     code = err.code()
@@ -119,8 +128,5 @@ def from_rpc_error(err: grpc.RpcError) -> PagedServeError:
         if not field and ": " in details:
             field = details.split(": ", 1)[0]
         message = details.split(": ", 1)[1] if details.startswith(f"{field}: ") else details
-        error: PagedServeError = InvalidArgumentError(field, message)
-    else:
-        error = _BY_CODE.get(code, PagedServeError)(details)
-        error.code = code
-    return error
+        return InvalidArgumentError(field, message)
+    return error_for_code(code, details)

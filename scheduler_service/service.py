@@ -25,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
@@ -217,7 +218,8 @@ class SchedulerApp:
             await self._finish_unstarted(entry.entry_id, rid, "", "aborted before it was scheduled")
             return
         if queued.deadline and queued.deadline < now:
-            await self._finish_unstarted(entry.entry_id, rid, "", "deadline passed before it was scheduled")
+            await self._finish_unstarted(entry.entry_id, rid, "", "deadline passed before it was scheduled",
+                                         code=grpc.StatusCode.DEADLINE_EXCEEDED)
             return
         if delivered is not None:
             self._backlog.appendleft((queued.request, entry.entry_id))  # older than anything new
@@ -249,9 +251,11 @@ class SchedulerApp:
         self._capacity.set()
         self._route_backlog()
 
-    async def _finish_unstarted(self, entry_id: str, request_id: str, field: str, message: str) -> None:
-        """Publish a final ABORT record for a request never handed to a worker, and ACK it."""
-        records = [(request_id, convert.error_record(field, message))] if request_id else []
+    async def _finish_unstarted(self, entry_id: str, request_id: str, field: str, message: str,
+                                code: grpc.StatusCode | None = None) -> None:
+        """Publish a final ABORT record (its client gets ``code``) for a request never handed to a
+        worker, and ACK it."""
+        records = [(request_id, convert.error_record(field, message, code))] if request_id else []
         try:
             await self.queue.publish(records, [entry_id])
         except RedisError as exc:  # still pending and ours: taken over (and refused again) later
