@@ -3,6 +3,11 @@ in the gateway touches ``*_pb2`` (STYLE.md 5)."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+
+import grpc
+
 from servicekit.proto.convert import (
     FINISH_REASON_FROM_PB,
     FINISH_REASON_TO_PB,
@@ -11,19 +16,25 @@ from servicekit.proto.convert import (
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
+from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.pb import generation_pb2, queue_pb2
 from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
 from gateway_service.model_limits import ModelLimits
+from gateway_service.request_queue import RequestDigests
 from servicekit.contract.sampling_params import SamplingParams
 
 
 def _messages(chat) -> list[dict[str, str]]:
+    """The turns of a Chat; raises InvalidArgumentError naming the first bad one
+    (``messages[1].role``)."""
+    for i, m in enumerate(chat.messages):
+        check_chat_message(i, m.role, m.content)
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
-    """Raises InvalidArgumentError / InvalidArgumentError naming the first bad field."""
+    """Raises InvalidArgumentError naming the first bad field."""
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or prompt_token_ids is required")
@@ -73,6 +84,17 @@ def model_info_to_pb(limits: ModelLimits) -> generation_pb2.ModelInfoResponse:
 # -- Redis records ------------------------------------------------------------------------------------
 
 
+def request_digests(prompt_token_ids: list[int], params: SamplingParams) -> RequestDigests:
+    """Digests of what a resume must repeat; the params' deterministic wire form is hashed, so
+    equal parameters give equal digests on any gateway."""
+    prompt = hashlib.sha256(array("I", prompt_token_ids).tobytes()).hexdigest()[:32]
+    wire = sampling_params_to_pb(params).SerializeToString(deterministic=True)
+    return RequestDigests(prompt=prompt, params=hashlib.sha256(wire).hexdigest()[:32])
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def engine_request_to_record(request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                              arrival_time: float, deadline: float, priority: int, cache_salt: str) -> bytes:
     msg = queue_pb2.EngineRequest(
@@ -84,8 +106,11 @@ def engine_request_to_record(request_id: str, prompt_token_ids: list[int], param
 
 def output_record_from_bytes(data: bytes) -> OutputRecord:
     msg = queue_pb2.EngineOutput.FromString(data)
+    code = _STATUS_BY_NUMBER[msg.error_code].name if msg.error_code in _STATUS_BY_NUMBER else None
+    if msg.error_message and code is None:  # written before records carried their code
+        code = "INVALID_ARGUMENT" if msg.error_field else "ABORTED"
     return OutputRecord(
         token_ids=list(msg.token_ids), first_index=msg.first_index,
         logprobs=logprobs_from_pb(msg.logprobs) if msg.logprobs else [],
         finish_reason=FINISH_REASON_FROM_PB[msg.finish_reason], num_cached_tokens=msg.num_cached_tokens,
-        error_field=msg.error_field, error_message=msg.error_message)
+        error_field=msg.error_field, error_message=msg.error_message, error_code=code)

@@ -2,7 +2,16 @@
 output records back as text — detokenized incrementally, stop strings applied — until it finishes.
 
 The gateway holds no request state beyond the life of the call: everything needed to resume a
-stream lives in Redis (the output stream, whose records carry their output indices).
+stream lives in Redis (the output stream, whose records carry their output indices, and whose first
+entry keeps digests of the admitted input, which a resume must match).
+
+Readers: the admitting call and every resume of the request are its readers (counted in Redis,
+across gateways). A reader that leaves before the request finished (cancelled, deadline) aborts it
+only when it is the last one, so a resumer that gives up never cuts off the owner, nor the owner a
+resumer that took over its stream.
+
+Tokenizing runs in a thread, never on the event loop, and text longer than the model could take
+is refused by its size before it is tokenized (``prompt_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from gateway_service.model_limits import ModelLimits, ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.tokenizer import PromptTokenizer
-from servicekit.contract.errors import AbortedError, InvalidArgumentError, NotFoundError, UnavailableError
+from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from servicekit.redis_keys import RedisKeys
 from servicekit.contract.step import FinishReason
 from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
@@ -38,8 +47,10 @@ class GenerationService:
     """The gateway's logic, free of gRPC. ``in_flight`` counts live Generate streams."""
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
-                 queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None) -> None:
+                 queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
+                 prompt_bytes_per_token: int = 16) -> None:
         self.model = model
+        self._prompt_bytes_per_token = prompt_bytes_per_token
         self._keys = keys
         self.tokenizer = tokenizer
         self._limits = limits
@@ -63,22 +74,39 @@ class GenerationService:
             raise UnavailableError(f"no worker serving {self.model!r} is registered")
         return limits
 
-    def tokenize(self, text: str | None, messages: list[dict[str, str]] | None) -> list[int]:
+    async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelLimits,
+                       *, text_field: str = "text") -> list[int]:
+        """The token ids of ``text`` or ``messages`` (through the chat template), computed in a
+        thread. Text the model could not take whole is refused by its size first: a token covers
+        at most ``prompt_bytes_per_token`` bytes, so more than ``max_model_len`` times that many
+        bytes is more than ``max_model_len`` tokens."""
         if messages is not None:
-            return self.tokenizer.encode_chat(messages)
-        return self.tokenizer.encode_text(text or "")
+            self._check_size(sum(len(m["role"].encode()) + len(m["content"].encode()) for m in messages),
+                             limits, "chat")
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+        text = text or ""
+        self._check_size(len(text.encode()), limits, text_field)
+        return await asyncio.to_thread(self.tokenizer.encode_text, text)
 
-    def _prompt_token_ids(self, inp: GenerateInput, limits: ModelLimits) -> list[int]:
+    def _check_size(self, num_bytes: int, limits: ModelLimits, field: str) -> None:
+        max_bytes = limits.max_model_len * self._prompt_bytes_per_token
+        if num_bytes > max_bytes:
+            raise InvalidArgumentError(
+                field, f"{num_bytes} bytes; the model takes at most {limits.max_model_len} tokens, which is at most "
+                       f"{max_bytes} bytes ({self._prompt_bytes_per_token} bytes per token, "
+                       "--prompt-bytes-per-token)")
+
+    async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelLimits) -> list[int]:
         if inp.prompt_token_ids is not None:
             ids = inp.prompt_token_ids
             if ids and max(ids) >= limits.vocab_size:
                 raise InvalidArgumentError("prompt_token_ids", f"token ids must be < vocab_size ({limits.vocab_size})")
         elif inp.messages is not None:
-            ids = self.tokenizer.encode_chat(inp.messages)
+            ids = await self.tokenize(None, inp.messages, limits)
         else:
             if not inp.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
-            ids = self.tokenizer.encode_text(inp.prompt)
+            ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt")
         if not ids:
             raise InvalidArgumentError("prompt", "must contain at least one token")
         if len(ids) >= limits.max_model_len:
@@ -94,38 +122,38 @@ class GenerationService:
     # -- Generate -------------------------------------------------------------------------------------
 
     async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None) -> AsyncIterator[GenerateChunk]:
-        """Admit the request and yield its chunks; the last has ``finish_reason`` and ``usage``.
-        Closing the iterator early (client gone, deadline) aborts the request."""
+        """Admit the request (or, resuming, join it as one more reader after checking the input
+        matches) and yield its chunks; the last has ``finish_reason`` and ``usage``. Closing the
+        iterator early (client gone, deadline) aborts the request when no other call reads it."""
         if self.draining:
             raise UnavailableError("the gateway is draining; use another replica")
+        deadline = time.time() + timeout_s if timeout_s else 0.0  # from the call's start, tokenizing included
         limits = await self.served_limits(inp.model)
         if inp.request_id and not REQUEST_ID_RE.fullmatch(inp.request_id):
             raise InvalidArgumentError("request_id", "at most 128 characters from [A-Za-z0-9._:-]")
         if inp.resume_from_index is not None and not inp.request_id:
             raise InvalidArgumentError("request_id", "required when resume_from_index is set")
-        prompt_ids = self._prompt_token_ids(inp, limits)
+        prompt_ids = await self._prompt_token_ids(inp, limits)
         params = inp.sampling_params
+        digests = convert.request_digests(prompt_ids, params)  # as given: a resume repeats the unseeded params
         if params.seed is None:  # decision 6: a seed at admission makes every replay identical
             params = params.with_seed(self._rng.randrange(SEED_RANGE))
         request_id = inp.request_id or uuid.uuid4().hex
         self._enter()
         sub = self._fanout.subscribe(self._keys.output(request_id))
-        admitted = finished = False
+        reading = finished = False  # reading: counted among the request's readers in Redis
         try:
             try:
                 if inp.resume_from_index is not None:
-                    if not await self._queue.exists(request_id):
-                        raise NotFoundError(f"request {request_id!r} is unknown or its outputs expired")
-                    await self._fanout.wake()
+                    await self._queue.join(request_id, digests, self._fanout.wake_key)
                 else:
-                    now = time.time()
                     record = convert.engine_request_to_record(
-                        request_id, prompt_ids, params, arrival_time=now, deadline=now + timeout_s if timeout_s else 0.0,
+                        request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
-                    await self._queue.admit(request_id, record, self._fanout.wake_key)
+                    await self._queue.admit(request_id, record, digests, self._fanout.wake_key)
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
-            admitted = True
+            reading = True
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
@@ -134,14 +162,17 @@ class GenerationService:
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
-            except UnavailableError:
-                finished = True  # Redis away: the request lives on; the client resumes it by id
+            except PagedServeError:
+                # Redis away (the request lives on; the client resumes it by id), or the request's
+                # own final error record: nothing to abort either way.
+                finished = True
                 raise
         finally:
             self._fanout.unsubscribe(sub)
-            if admitted and not finished:
-                log.info("request %s abandoned by its client: aborting", request_id)
-                self._abort_later(request_id)
+            if reading:
+                if not finished:
+                    log.info("request %s left by a client: aborting it unless another call reads it", request_id)
+                self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
 
     async def _stream(self, request_id: str, sub: Subscription, prompt_ids: list[int], params: SamplingParams,
@@ -158,10 +189,9 @@ class GenerationService:
             finish: FinishReason | None = None
             for data in await sub.get():
                 record = convert.output_record_from_bytes(data)
-                if record.error_message:
-                    if record.error_field:
-                        raise InvalidArgumentError(record.error_field, record.error_message)
-                    raise AbortedError(f"request {request_id} failed: {record.error_message}")
+                if record.error_message:  # the scheduler refused or lost it, and says with which code
+                    raise error_for_code(record.error_code, f"request {request_id}: {record.error_message}",
+                                         field=record.error_field)
                 num_cached = max(num_cached, record.num_cached_tokens)
                 for j, token in enumerate(record.token_ids):
                     index = record.first_index + j
@@ -176,7 +206,8 @@ class GenerationService:
                             chunk.logprobs.append(record.logprobs[j])
                     if stop is not None:
                         finish, chunk.stop_string = FinishReason.STOP, stop
-                        self._abort_later(request_id)  # the scheduler does not know stop strings
+                        # The scheduler does not know stop strings; every reader sees the same stop.
+                        self._in_background(self._abort(request_id))
                         break
                 if finish is None and record.finish_reason is not None:
                     finish = record.finish_reason
@@ -198,9 +229,9 @@ class GenerationService:
 
     # -- aborts and draining --------------------------------------------------------------------------
 
-    def _abort_later(self, request_id: str) -> None:
-        """Publish an abort without waiting (the caller may be a cancelled task)."""
-        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+    def _in_background(self, coro) -> None:
+        """Run a Redis write without waiting for it (the caller may be a cancelled task)."""
+        task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -209,6 +240,12 @@ class GenerationService:
             await self._queue.abort(request_id)
         except Exception as exc:  # Redis away: the scheduler finishes it at max_tokens anyway
             log.warning("could not publish abort of %s: %s", request_id, exc)
+
+    async def _leave(self, request_id: str, *, abort: bool) -> None:
+        try:
+            await self._queue.leave(request_id, abort=abort)
+        except Exception as exc:  # Redis away: counted as a reader still, the request runs to its end
+            log.warning("could not leave request %s: %s", request_id, exc)
 
     def _enter(self) -> None:
         self.in_flight += 1

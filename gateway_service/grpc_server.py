@@ -4,6 +4,7 @@ status codes by the shared interceptor (servicekit.serving)."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 
 from gateway_service import convert
@@ -26,8 +27,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context):
         model, text, messages = convert.tokenize_input_from_pb(request)
-        await self._service.served_limits(model)
-        return convert.tokenize_response_to_pb(self._service.tokenize(text, messages))
+        limits = await self._service.served_limits(model)
+        token_ids = await self._service.tokenize(text, messages, limits)
+        # Hundreds of thousands of ids take tens of ms to copy into the message: not on the loop.
+        return await asyncio.to_thread(convert.tokenize_response_to_pb, token_ids)
 
     async def ModelInfo(self, request, context):
         return convert.model_info_to_pb(await self._service.served_limits(""))

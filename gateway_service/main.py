@@ -56,7 +56,8 @@ class GatewayApp:
                                     outage_s=s.redis_outage_s)
         queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
-                                         limits=self._limits, queue=queue, fanout=self._fanout)
+                                         limits=self._limits, queue=queue, fanout=self._fanout,
+                                         prompt_bytes_per_token=s.prompt_bytes_per_token)
         self.lifecycle = build_server(self.service)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
         self._limits.start()
@@ -102,6 +103,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_flag(parser, env, "gateway-id", default="", help="names this gateway's wake stream (default: random)")
     add_flag(parser, env, "redis-outage-s", type=float, default=10.0,
              help="live streams fail with UNAVAILABLE (the SDK resumes them) after this long without Redis")
+    add_flag(parser, env, "prompt-bytes-per-token", type=int,
+             default=GatewaySettings.__dataclass_fields__["prompt_bytes_per_token"].default,
+             help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it "
+                  "is tokenized")
     return parser
 
 
@@ -111,7 +116,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model=args.model, host=args.host, port=args.port, redis_url=args.redis_url, key_prefix=args.key_prefix,
         max_queued_requests=args.max_queued_requests, output_ttl_s=args.output_ttl_s,
         registry_refresh_s=args.registry_refresh_s, drain_grace_s=args.drain_grace_s,
-        redis_outage_s=args.redis_outage_s, **extra)
+        redis_outage_s=args.redis_outage_s, prompt_bytes_per_token=args.prompt_bytes_per_token, **extra)
 
 
 def make_app(settings: GatewaySettings) -> GatewayApp:

@@ -58,3 +58,4 @@ class OutputRecord:
     num_cached_tokens: int
     error_field: str = ""
     error_message: str = ""
+    error_code: str | None = None  # set with error_message: the name of the status the client gets

@@ -29,9 +29,16 @@ WAKE_MAXLEN = 16
 WAKE_TTL_S = 300
 
 
+def _entry_id(entry_id: str | bytes) -> tuple[int, int]:
+    """A stream entry id (``"ms-seq"``) as a comparable pair."""
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
 class Subscription:
-    """The output stream of one request, as delivered so far. ``last_id`` is the newest entry
-    handed to ``queue``; the loop reads on from there."""
+    """One reader of one request's output stream, as delivered so far. ``last_id`` is the newest
+    entry handed to ``queue``. Several calls may read the same stream (a resume next to its
+    owner): each has its own subscription and sees every entry once, in order."""
 
     __slots__ = ("key", "last_id", "queue")
 
@@ -62,7 +69,7 @@ class OutputFanout:
         self._outage_s = outage_s  # failed reads for this long fail the subscriptions waiting
         self._count = count  # entries per stream per XREAD
         self.wake_key = keys.gateway_wake(gateway_id)
-        self._subs: dict[bytes, Subscription] = {}
+        self._subs: dict[bytes, list[Subscription]] = {}  # stream key -> its readers
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -74,19 +81,23 @@ class OutputFanout:
 
     def subscribe(self, key: str) -> Subscription:
         """Start delivering ``key``'s entries (from its beginning). The caller then writes to the
-        wake stream (:meth:`wake`, or within the admission script) so a blocked XREAD restarts."""
+        wake stream (the admission and join scripts of ``request_queue`` do) so a blocked XREAD
+        restarts."""
         sub = Subscription(key)
-        self._subs[key.encode()] = sub
+        self._subs.setdefault(key.encode(), []).append(sub)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
-        self._subs.pop(sub.key.encode(), None)
+        """Stop delivering to ``sub`` only; other readers of the same stream go on."""
+        key = sub.key.encode()
+        readers = self._subs.get(key, [])
+        if sub in readers:
+            readers.remove(sub)
+        if not readers:
+            self._subs.pop(key, None)
 
-    async def wake(self) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(self.wake_key, {"w": "1"}, maxlen=WAKE_MAXLEN, approximate=True)
-        pipe.expire(self.wake_key, WAKE_TTL_S)
-        await pipe.execute()
+    def _all_subs(self) -> list[Subscription]:
+        return [sub for readers in self._subs.values() for sub in readers]
 
     async def _run(self) -> None:
         wake = self.wake_key.encode()
@@ -95,8 +106,9 @@ class OutputFanout:
         down_since: float | None = None
         while not cancel_requested():
             streams: dict[bytes, str | bytes] = {wake: wake_last}
-            for key, sub in self._subs.items():
-                streams[key] = sub.last_id
+            for key, readers in self._subs.items():
+                # From the reader furthest behind; the others skip what they already have.
+                streams[key] = min((sub.last_id for sub in readers), key=_entry_id)
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
             except RedisError as exc:
@@ -118,16 +130,17 @@ class OutputFanout:
                 if key == wake:
                     wake_last = entries[-1][0]
                     continue
-                sub = self._subs.get(key)
-                if sub is None or not entries:
-                    continue  # a request that ended meanwhile
-                sub.last_id = entries[-1][0]
-                sub.queue.put_nowait([fields.get(b"data", b"") for _id, fields in entries])
+                for sub in self._subs.get(key, ()):  # none: a request that ended meanwhile
+                    after = _entry_id(sub.last_id)
+                    new = [(entry_id, fields) for entry_id, fields in entries if _entry_id(entry_id) > after]
+                    if new:
+                        sub.last_id = new[-1][0]
+                        sub.queue.put_nowait([fields.get(b"data", b"") for _id, fields in new])
 
     async def _fail_vanished(self) -> None:
         """After an outage: a request whose output stream is gone (Redis came back without its last
         writes, or without its data) fails with UNAVAILABLE instead of waiting forever."""
-        subs = list(self._subs.values())
+        subs = self._all_subs()
         if not subs:
             return
         try:
@@ -144,5 +157,5 @@ class OutputFanout:
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every current subscription (their streams end with ``error``)."""
-        for sub in list(self._subs.values()):
+        for sub in self._all_subs():
             sub.queue.put_nowait(error)

@@ -1,17 +1,27 @@
 """The gateway's writes to Redis: admitting a request (queue-limit check, request entry, the
-output stream's first entry, and the fan-out wake-up, in one round trip) and abort notices."""
+output stream's first entry, and the fan-out wake-up, in one round trip), joining and leaving a
+request's readers (resumes are checked against what was admitted), and abort notices.
+
+The output stream's first entry (the admission marker, empty ``data``) also keeps the digests of
+the admitted prompt tokens and sampling parameters, so they live exactly as long as the outputs a
+resume could read. ``{prefix}readers:{request_id}`` counts the calls reading the request, on any
+gateway: the last one to leave before the request finished aborts it, so a resumer that gives up
+never cuts off the owner (or another resumer) still reading.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gateway_service.output_fanout import WAKE_MAXLEN, WAKE_TTL_S
-from servicekit.contract.errors import AlreadyExistsError, ResourceExhaustedError
+from servicekit.contract.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
 
 ABORTS_MAXLEN = 10_000
 
-# KEYS: requests stream, the request's output stream, the gateway's wake stream
+# KEYS: requests stream, the request's output stream, the gateway's wake stream, readers counter
 # ARGV: group, max queued (0 = no limit), request id, EngineRequest bytes, output TTL seconds,
-#       wake stream max length, wake stream TTL seconds
+#       wake stream max length, wake stream TTL seconds, prompt digest, params digest
 # Returns 0 when admitted, -1 when the queue is full, -2 when the request id is in use.
 # Queue depth = entries not yet delivered to any scheduler: finished requests are deleted from the
 # stream, so XLEN minus the group's pending count is what waits.
@@ -22,13 +32,59 @@ if limit > 0 then
   local waiting = redis.call('XLEN', KEYS[1]) - redis.call('XPENDING', KEYS[1], ARGV[1])[1]
   if waiting >= limit then return -1 end
 end
-redis.call('XADD', KEYS[2], '*', 'data', '')
+redis.call('XADD', KEYS[2], '*', 'data', '', 'prompt_digest', ARGV[8], 'params_digest', ARGV[9])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('SET', KEYS[4], 1, 'EX', ARGV[5])
 redis.call('XADD', KEYS[1], '*', 'request_id', ARGV[3], 'data', ARGV[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'w', '1')
 redis.call('EXPIRE', KEYS[3], ARGV[7])
 return 0
 """
+
+# KEYS: the request's output stream, readers counter, the gateway's wake stream
+# ARGV: prompt digest, params digest, readers TTL seconds, wake stream max length, wake stream TTL
+# Returns -1 when the output stream is gone; else the names of the digests that differ from the
+# admitted ones (empty: joined as one more reader). A marker without digests (admitted by an older
+# gateway) is not checked.
+_JOIN_LUA = """
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if #first == 0 then return -1 end
+local fields = first[1][2]
+local differ = {}
+for i = 1, #fields, 2 do
+  if fields[i] == 'prompt_digest' and fields[i + 1] ~= ARGV[1] then table.insert(differ, 'prompt') end
+  if fields[i] == 'params_digest' and fields[i + 1] ~= ARGV[2] then table.insert(differ, 'sampling_params') end
+end
+if #differ > 0 then return differ end
+redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'w', '1')
+redis.call('EXPIRE', KEYS[3], ARGV[5])
+return {}
+"""
+
+# KEYS: readers counter, aborts stream
+# ARGV: request id, aborts max length, "1" when the leaving reader did not see the request finish
+# Returns the readers left. The last reader out of an unfinished request publishes its abort; a
+# counter already gone (expired) counts as no other reader.
+_LEAVE_LUA = """
+local left = redis.call('DECR', KEYS[1])
+if left > 0 then return left end
+redis.call('DEL', KEYS[1])
+if ARGV[3] == '1' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'request_id', ARGV[1])
+end
+return 0
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDigests:
+    """What a resume must repeat: digests of the prompt's token ids and of the sampling
+    parameters as the client gave them (before the gateway seeds them)."""
+
+    prompt: str
+    params: str
 
 
 class RequestQueue:
@@ -38,21 +94,44 @@ class RequestQueue:
         self._max_queued = max_queued
         self._output_ttl_s = output_ttl_s
         self._admit = redis.register_script(_ADMIT_LUA)
+        self._join = redis.register_script(_JOIN_LUA)
+        self._leave = redis.register_script(_LEAVE_LUA)
 
-    async def admit(self, request_id: str, record: bytes, wake_key: str) -> None:
-        """Enqueue one EngineRequest. Raises ResourceExhaustedError past the queue limit and
-        AlreadyExistsError when the request id has an output stream already."""
+    async def admit(self, request_id: str, record: bytes, digests: RequestDigests, wake_key: str) -> None:
+        """Enqueue one EngineRequest, its caller being its first reader. Raises
+        ResourceExhaustedError past the queue limit and AlreadyExistsError when the request id has
+        an output stream already (nothing is written then)."""
         keys = self._keys
         result = await self._admit(
-            keys=[keys.requests, keys.output(request_id), wake_key],
-            args=[SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S])
+            keys=[keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
+            args=[SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
+                  digests.prompt, digests.params])
         if result == -1:
             raise ResourceExhaustedError(f"the request queue is full ({self._max_queued} waiting); retry later")
         if result == -2:
             raise AlreadyExistsError(f"request_id {request_id!r} is already in use")
 
-    async def exists(self, request_id: str) -> bool:
-        return bool(await self._redis.exists(self._keys.output(request_id)))
+    async def join(self, request_id: str, digests: RequestDigests, wake_key: str) -> None:
+        """Become one more reader of an admitted request (a resume). Raises NotFoundError when its
+        outputs are gone, InvalidArgumentError naming the first input that differs from the
+        admitted request (nothing is written then)."""
+        keys = self._keys
+        result = await self._join(
+            keys=[keys.output(request_id), keys.readers(request_id), wake_key],
+            args=[digests.prompt, digests.params, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S])
+        if result == -1:
+            raise NotFoundError(f"request {request_id!r} is unknown or its outputs expired")
+        if result:
+            differ = [name.decode() if isinstance(name, bytes) else name for name in result]
+            raise InvalidArgumentError(
+                differ[0], f"differs from the admitted request {request_id!r} ({' and '.join(differ)} differ); "
+                           "a resume must repeat the original input and sampling parameters")
+
+    async def leave(self, request_id: str, *, abort: bool) -> None:
+        """One reader is done; with ``abort`` (it left before the request finished) the last
+        reader out aborts the request."""
+        await self._leave(keys=[self._keys.readers(request_id), self._keys.aborts],
+                          args=[request_id, ABORTS_MAXLEN, "1" if abort else "0"])
 
     async def abort(self, request_id: str) -> None:
         await self._redis.xadd(self._keys.aborts, {"request_id": request_id},

@@ -25,6 +25,10 @@ class GatewaySettings:
     redis_outage_s: float = 10.0  # streams fail with UNAVAILABLE after this long without Redis
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the wake stream
     drain_grace_s: float = 30.0
+    # The most UTF-8 bytes one token covers, as far as sizing goes: text over max_model_len times
+    # this is refused before it is tokenized. 16 leaves room for long tokens (runs of spaces in
+    # code); English averages ~4 bytes per token.
+    prompt_bytes_per_token: int = 16
 
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)
@@ -36,5 +40,7 @@ class GatewaySettings:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.redis_outage_s <= 0:
             raise ValueError(f"redis_outage_s: must be positive, got {self.redis_outage_s}")
+        if self.prompt_bytes_per_token < 1:
+            raise ValueError(f"prompt_bytes_per_token: must be >= 1, got {self.prompt_bytes_per_token}")
         if self.output_ttl_s < 1 or self.registry_refresh_s <= 0 or self.read_block_ms < 1:
             raise ValueError("output_ttl_s, registry_refresh_s and read_block_ms must be positive")

@@ -3,7 +3,11 @@ dataclasses (:mod:`pagedserve.client_types`). Only the SDK touches ``*_pb2`` on 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pagedserve.client_types import Chunk, ModelInfo, Usage
+from servicekit.contract.chat import check_chat_message
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.proto.convert import (
     _SCALAR_FIELDS,
@@ -12,6 +16,16 @@ from servicekit.proto.convert import (
     sampling_params_to_pb,
 )
 from servicekit.proto.pb import generation_pb2, sampling_pb2
+
+def _add_chat(chat, messages) -> None:
+    """Append SDK ``messages`` (mappings with "role" and "content") to a Chat message."""
+    chat.SetInParent()  # an empty list is an empty chat (refused by the gateway), not no input
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidArgumentError(f"messages[{i}]", f"must be a mapping with role and content; got {type(m).__name__}")
+        check_chat_message(i, m.get("role"), m.get("content"))
+        chat.messages.add(role=m["role"], content=m["content"])
+
 
 _SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids"}
 
@@ -28,8 +42,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     msg = generation_pb2.GenerateRequest(request_id=request_id, model=model, priority=priority,
                                          cache_salt=cache_salt, include_special_tokens=include_special_tokens)
     if messages is not None:
-        for m in messages:
-            msg.chat.messages.add(role=m["role"], content=m["content"])
+        _add_chat(msg.chat, messages)
     elif isinstance(prompt, str):
         msg.prompt = prompt
     elif prompt is not None:
@@ -65,8 +78,7 @@ def chunk_from_pb(msg):
 def build_tokenize_request(text=None, *, messages=None, model: str = ""):
     msg = generation_pb2.TokenizeRequest(model=model)
     if messages is not None:
-        for m in messages:
-            msg.chat.messages.add(role=m["role"], content=m["content"])
+        _add_chat(msg.chat, messages)
     else:
         msg.text = text or ""
     return msg

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
+
 from servicekit.proto.convert import (
     FINISH_REASON_TO_PB,
     logprobs_from_pb,
@@ -117,11 +119,15 @@ def engine_output_to_record(out: EngineCoreOutput) -> bytes:
     return msg.SerializeToString()
 
 
-def error_record(field: str, message: str) -> bytes:
-    """The last record of a request the scheduler refused or lost (finish reason ABORT)."""
+def error_record(field: str, message: str, code: str | None = None) -> bytes:
+    """The last record of a request the scheduler refused or lost (finish reason ABORT), with the
+    status its client gets: ``code`` (a status name, as errors carry it), else INVALID_ARGUMENT when ``field`` is at fault, else
+    ABORTED."""
+    if code is None:
+        code = "INVALID_ARGUMENT" if field else "ABORTED"
     return queue_pb2.EngineOutput(
         finish_reason=FINISH_REASON_TO_PB[FinishReason.ABORT],
-        error_field=field, error_message=message).SerializeToString()
+        error_field=field, error_message=message, error_code=grpc.StatusCode[code].value[0]).SerializeToString()
 
 
 # -- admin ---------------------------------------------------------------------------------------------

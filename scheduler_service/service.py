@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
-from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
@@ -217,7 +217,8 @@ class SchedulerApp:
             await self._finish_unstarted(entry.entry_id, rid, "", "aborted before it was scheduled")
             return
         if queued.deadline and queued.deadline < now:
-            await self._finish_unstarted(entry.entry_id, rid, "", "deadline passed before it was scheduled")
+            await self._finish_unstarted(entry.entry_id, rid, "", "deadline passed before it was scheduled",
+                                         code=DeadlineExceededError.code)
             return
         if delivered is not None:
             self._backlog.appendleft((queued.request, entry.entry_id))  # older than anything new
@@ -249,9 +250,11 @@ class SchedulerApp:
         self._capacity.set()
         self._route_backlog()
 
-    async def _finish_unstarted(self, entry_id: str, request_id: str, field: str, message: str) -> None:
-        """Publish a final ABORT record for a request never handed to a worker, and ACK it."""
-        records = [(request_id, convert.error_record(field, message))] if request_id else []
+    async def _finish_unstarted(self, entry_id: str, request_id: str, field: str, message: str,
+                                code: str | None = None) -> None:
+        """Publish a final ABORT record (its client gets ``code``) for a request never handed to a
+        worker, and ACK it."""
+        records = [(request_id, convert.error_record(field, message, code))] if request_id else []
         try:
             await self.queue.publish(records, [entry_id])
         except RedisError as exc:  # still pending and ours: taken over (and refused again) later

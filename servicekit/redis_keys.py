@@ -29,6 +29,11 @@ class RedisKeys:
         """Stream of EngineOutput records of one request (expires after its last entry)."""
         return f"{self.prefix}out:{request_id}"
 
+    def readers(self, request_id: str) -> str:
+        """Counter of the Generate calls reading one request's output stream, on any gateway; the
+        last to leave before the request finished aborts it (expires with the output TTL)."""
+        return f"{self.prefix}readers:{request_id}"
+
     @property
     def aborts(self) -> str:
         """Capped stream of abort notices; every scheduler reads all of it."""

@@ -1,6 +1,7 @@
 """What every service's gRPC server shares: error mapping, health, reflection, draining, logging.
 
-- :class:`ErrorMappingInterceptor` maps typed errors to status codes once (DESIGN.md decision 8).
+- :class:`ErrorMappingInterceptor` maps typed errors to status codes once (DESIGN.md decision 8),
+  and request bytes that do not decode to INVALID_ARGUMENT.
 - :class:`ServerLifecycle` owns a ``grpc.aio`` server with ``grpc.health.v1`` and reflection;
   :meth:`ServerLifecycle.drain` flips health to NOT_SERVING, lets in-flight work finish within the
   grace period, then stops the server.
@@ -69,7 +70,9 @@ async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException, met
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions escaping a handler into status codes: typed errors keep their code (and
-    an INVALID_ARGUMENT its field in trailing metadata); anything else is logged and INTERNAL."""
+    an INVALID_ARGUMENT its field in trailing metadata); anything else is logged and INTERNAL.
+    A unary request whose bytes do not decode (bad UTF-8 in a string, truncated, garbage) is
+    INVALID_ARGUMENT (field "request"), logged at INFO: bad input, not a server fault."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -78,19 +81,51 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         kwargs = dict(request_deserializer=handler.request_deserializer,
                       response_serializer=handler.response_serializer)
+        unary_kwargs = dict(kwargs, request_deserializer=_tolerant(handler.request_deserializer))
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), **kwargs)
+            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), **unary_kwargs)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), **kwargs)
+            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), **unary_kwargs)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method), **kwargs)
         return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method), **kwargs)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not decode; the handler wrapper refuses it."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    """``deserializer`` returning :class:`_Undecodable` instead of raising: grpc would answer a
+    raising one UNKNOWN with the exception's text and log an ERROR traceback."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, or UnicodeDecodeError from some protobuf builds
+            return _Undecodable(type(exc).__name__)
+    return deserialize
+
+
+def _check_decoded(request, method: str) -> None:
+    if isinstance(request, _Undecodable):
+        log.info("%s: undecodable request refused (%s)", method, request.reason)
+        raise InvalidArgumentError("request", "the request bytes do not decode as the method's message "
+                                              "(malformed protobuf or invalid UTF-8 in a string field)")
 
 
 def _wrap(behavior: Callable, method: str) -> Callable:
     if inspect.isasyncgenfunction(behavior):
         async def stream(request, context):
             try:
+                _check_decoded(request, method)
                 async for response in behavior(request, context):
                     yield response
             except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -101,6 +136,7 @@ def _wrap(behavior: Callable, method: str) -> Callable:
 
     async def unary(request, context):
         try:
+            _check_decoded(request, method)
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
         except (asyncio.CancelledError, grpc.aio.AbortError):

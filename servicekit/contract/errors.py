@@ -102,3 +102,12 @@ ERRORS_BY_CODE: dict[str, type[PagedServeError]] = {
                 AbortedError, FailedPreconditionError, DeadlineExceededError, CancelledError, UnauthenticatedError,
                 InternalError)
 }
+
+
+def error_for_code(code: str, message: str, *, field: str = "") -> PagedServeError:
+    """The typed error that travels as status ``code`` (its name; an INVALID_ARGUMENT names ``field``)."""
+    if code == InvalidArgumentError.code:
+        return InvalidArgumentError(field, message)
+    error = ERRORS_BY_CODE.get(code, PagedServeError)(message)
+    error.code = code
+    return error

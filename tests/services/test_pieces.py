@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pagedserve import convert as shared_convert
+from servicekit.proto import convert as shared_convert
 from pagedserve.errors import InvalidArgumentError, from_rpc_error
 from scheduler_service import convert as scheduler_convert
 from servicekit.contract.step import (

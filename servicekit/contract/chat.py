@@ -1,0 +1,17 @@
+"""What a chat turn must be, checked where it enters (the SDK before sending, the gateway on receipt)."""
+
+from __future__ import annotations
+
+from servicekit.contract.errors import InvalidArgumentError
+
+CHAT_ROLES = ("system", "user", "assistant")  # generation.proto ChatMessage.role
+
+
+def check_chat_message(index: int, role, content) -> None:
+    """One chat turn as the gateway takes it: a known role and non-empty text. Raises
+    InvalidArgumentError naming the field (``messages[1].role``); the SDK and the gateway both
+    check with this, so a turn the SDK builds is one the gateway accepts."""
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise InvalidArgumentError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+    if not isinstance(content, str) or not content:
+        raise InvalidArgumentError(f"messages[{index}].content", "required: a non-empty string")
