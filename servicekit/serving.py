@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from servicekit.contract.errors import PagedServeError
+from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.proto.status import status_of
 
 log = logging.getLogger(__name__)
