@@ -20,7 +20,7 @@ from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.pb import generation_pb2, queue_pb2
 from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
-from gateway_service.model_limits import ModelLimits
+from servicekit.contract.api import ModelInfo
 from gateway_service.request_queue import RequestDigests
 from servicekit.contract.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ def tokenize_response_to_pb(token_ids: list[int]) -> generation_pb2.TokenizeResp
     return generation_pb2.TokenizeResponse(token_ids=token_ids)
 
 
-def model_info_to_pb(limits: ModelLimits) -> generation_pb2.ModelInfoResponse:
+def model_info_to_pb(limits: ModelInfo) -> generation_pb2.ModelInfoResponse:
     return generation_pb2.ModelInfoResponse(
         model=limits.model, max_model_len=limits.max_model_len, vocab_size=limits.vocab_size,
         eos_token_ids=list(limits.eos_token_ids), num_workers=limits.num_workers, block_size=limits.block_size)

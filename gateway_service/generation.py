@@ -27,12 +27,13 @@ from collections.abc import AsyncIterator
 from redis.exceptions import RedisError
 
 from gateway_service import convert
-from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from gateway_service.messages import GenerateChunk, GenerateInput, Usage
-from gateway_service.model_limits import ModelLimits, ModelLimitsView
+from gateway_service.messages import GenerateChunk, GenerateInput
+from servicekit.contract.api import Usage
+from gateway_service.model_limits import ModelLimitsView
+from servicekit.contract.api import ModelInfo
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
-from gateway_service.tokenizer import PromptTokenizer
+from gateway_service.text import OutputText, PromptTokenizer
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from servicekit.redis_keys import RedisKeys
 from servicekit.contract.step import FinishReason
@@ -65,7 +66,7 @@ class GenerationService:
 
     # -- shared checks --------------------------------------------------------------------------------
 
-    async def served_limits(self, model: str) -> ModelLimits:
+    async def served_limits(self, model: str) -> ModelInfo:
         """The limits of the served model; ``model`` must be empty or its name."""
         if model and model != self.model:
             raise InvalidArgumentError("model", f"unknown model {model!r}; this gateway serves {self.model!r}")
@@ -74,7 +75,7 @@ class GenerationService:
             raise UnavailableError(f"no worker serving {self.model!r} is registered")
         return limits
 
-    async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelLimits,
+    async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelInfo,
                        *, text_field: str = "text") -> list[int]:
         """The token ids of ``text`` or ``messages`` (through the chat template), computed in a
         thread. Text the model could not take whole is refused by its size first: a token covers
@@ -88,7 +89,7 @@ class GenerationService:
         self._check_size(len(text.encode()), limits, text_field)
         return await asyncio.to_thread(self.tokenizer.encode_text, text)
 
-    def _check_size(self, num_bytes: int, limits: ModelLimits, field: str) -> None:
+    def _check_size(self, num_bytes: int, limits: ModelInfo, field: str) -> None:
         max_bytes = limits.max_model_len * self._prompt_bytes_per_token
         if num_bytes > max_bytes:
             raise InvalidArgumentError(
@@ -96,7 +97,7 @@ class GenerationService:
                        f"{max_bytes} bytes ({self._prompt_bytes_per_token} bytes per token, "
                        "--prompt-bytes-per-token)")
 
-    async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelLimits) -> list[int]:
+    async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
         if inp.prompt_token_ids is not None:
             ids = inp.prompt_token_ids
             if ids and max(ids) >= limits.vocab_size:
@@ -177,9 +178,8 @@ class GenerationService:
 
     async def _stream(self, request_id: str, sub: Subscription, prompt_ids: list[int], params: SamplingParams,
                       inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer.hf, prompt_ids,
-                                             skip_special_tokens=not inp.include_special_tokens)
-        matcher = StopStringMatcher(params.stop)
+        output_text = OutputText(self.tokenizer.hf, prompt_ids, params.stop,
+                                 skip_special_tokens=not inp.include_special_tokens)
         start = inp.resume_from_index or 0  # tokens below it were delivered before: not sent again
         next_index = 0  # every record token below it was seen (repeats after failover are dropped)
         num_cached = 0
@@ -198,7 +198,7 @@ class GenerationService:
                     if index < next_index:
                         continue
                     next_index = index + 1
-                    piece, stop = matcher.feed(detokenizer.add(token))
+                    piece, stop = output_text.add(token)
                     if index >= start:
                         chunk.token_ids.append(token)
                         text.append(piece)
@@ -211,8 +211,8 @@ class GenerationService:
                         break
                 if finish is None and record.finish_reason is not None:
                     finish = record.finish_reason
-                    piece, stop = matcher.feed(detokenizer.flush())
-                    text.append(piece if stop is not None else piece + matcher.flush())
+                    piece, stop = output_text.finish()
+                    text.append(piece)
                     if stop is not None:
                         finish, chunk.stop_string = FinishReason.STOP, stop
                 if finish is not None:

@@ -39,7 +39,7 @@ class GatewayApp:
         from gateway_service.model_limits import ModelLimitsView
         from gateway_service.output_fanout import OutputFanout
         from gateway_service.request_queue import RequestQueue
-        from gateway_service.tokenizer import PromptTokenizer, load_hf_tokenizer
+        from gateway_service.text import PromptTokenizer, load_tokenizer
         from servicekit.redis_keys import RedisKeys, ensure_request_group
 
         s = self.settings
@@ -49,7 +49,7 @@ class GatewayApp:
 
             self._redis = aioredis.from_url(s.redis_url)
         if self._hf_tokenizer is None:
-            self._hf_tokenizer = await asyncio.to_thread(load_hf_tokenizer, s.model)
+            self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
         self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
         self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from servicekit.contract.api import Usage
 from servicekit.contract.step import FinishReason, TokenLogprobs
 from servicekit.contract.sampling_params import SamplingParams
 
@@ -23,13 +24,6 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str = ""
     include_special_tokens: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
 
 
 @dataclass(slots=True)

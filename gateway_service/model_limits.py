@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-
 from redis.exceptions import RedisError
 
+from servicekit.contract.api import ModelInfo
 from servicekit.redis_keys import RedisKeys
 from servicekit.serving import cancel_and_wait, cancel_requested
 from servicekit.registry import WorkerRecord, list_workers
@@ -22,21 +21,11 @@ from servicekit.registry import WorkerRecord, list_workers
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    model: str
-    max_model_len: int  # the smallest over the model's workers: any of them can take a request
-    vocab_size: int
-    block_size: int
-    eos_token_ids: tuple[int, ...]
-    num_workers: int
-
-
-def limits_from_records(model: str, records: list[WorkerRecord]) -> ModelLimits | None:
+def limits_from_records(model: str, records: list[WorkerRecord]) -> ModelInfo | None:
     mine = [r for r in records if r.model == model]
     if not mine:
         return None
-    return ModelLimits(
+    return ModelInfo(
         model=model, max_model_len=min(r.max_model_len for r in mine), vocab_size=mine[0].vocab_size,
         block_size=mine[0].block_size, eos_token_ids=mine[0].eos_token_ids, num_workers=len(mine))
 
@@ -47,10 +36,10 @@ class ModelLimitsView:
         self._keys = keys
         self.model = model
         self._refresh_s = refresh_s
-        self.current: ModelLimits | None = None
+        self.current: ModelInfo | None = None
         self._task: asyncio.Task | None = None
 
-    async def refresh(self) -> ModelLimits | None:
+    async def refresh(self) -> ModelInfo | None:
         records = await list_workers(self._redis, self._keys)
         limits = limits_from_records(self.model, records)
         if limits is None and records:
@@ -59,7 +48,7 @@ class ModelLimitsView:
         self.current = limits
         return limits
 
-    async def get(self) -> ModelLimits | None:
+    async def get(self) -> ModelInfo | None:
         """The limits, refreshing at once when none are known (a worker may have just registered)."""
         if self.current is None:
             try:

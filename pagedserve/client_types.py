@@ -1,17 +1,14 @@
-"""What the client SDK returns: plain frozen dataclasses, no protobuf."""
+"""What the client SDK returns: plain frozen dataclasses, no protobuf (``ModelInfo`` and ``Usage``
+are the gateway's own, from ``servicekit.contract.api``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from servicekit.contract.api import ModelInfo, Usage
 from servicekit.contract.step import TokenLogprobs
 
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int  # after the chat template
-    completion_tokens: int
-    cached_prompt_tokens: int  # served from the prefix cache
+__all__ = ["Chunk", "Completion", "ModelInfo", "TokenLogprobs", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +45,3 @@ class Completion:
             token_ids=tuple(t for c in chunks for t in c.token_ids), finish_reason=last.finish_reason,
             usage=last.usage, logprobs=tuple(lp for c in chunks for lp in c.logprobs), stop_string=last.stop_string)
 
-
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    model: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    num_workers: int
-    block_size: int

@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
 from scheduler_service.core.config import SchedulerConfig
 from servicekit.contract.step import TokenLogprobs
 from scheduler_service.core.request import Request
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 
@@ -40,30 +42,43 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per output token when SamplingParams.logprobs is set
+    stop_string: str = ""  # the stop string that ended the output, if one did (never in ``text``)
 
 
 @dataclass(slots=True)
 class _Pending:
     prompt: str | None
     prompt_token_ids: list[int]
+    text: OutputText | None  # None without a tokenizer
     token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    stop_string: str = ""
 
+    def add(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
+        """Take one step's tokens; True when a stop string ended the output (the tokens after the one
+        that completed it are dropped, as the gateway drops them)."""
+        for i, token in enumerate(token_ids):
+            self.token_ids.append(token)
+            if self.logprobs is not None and logprobs:
+                self.logprobs.append(logprobs[i])
+            if self.text is not None:
+                piece, stop = self.text.add(token)
+                self.pieces.append(piece)
+                if stop is not None:
+                    self.stop_string = stop
+                    return True
+        return False
 
-def load_tokenizer(model: str) -> Any:
-    """The Hugging Face tokenizer of ``model`` (any name :func:`resolve_model` accepts)."""
-    from transformers import AutoTokenizer
-
-    from servicekit.model_registry import resolve_model
-
-    source = resolve_model(model)
-    try:
-        return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer: cannot load one from {model!r} ({e}); pass tokenizer=<name> or "
-                         "skip_tokenizer_init=True (token-id prompts only)") from e
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        if self.text is not None and not self.stop_string:
+            piece, stop = self.text.finish()
+            self.pieces.append(piece)
+            if stop is not None:
+                self.stop_string, self.finish_reason = stop, "stop"
 
 
 class LLM:
@@ -123,6 +138,7 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.runner.info, seed_rng=random.Random(seed))
         # without a tokenizer, prompts must be token ids and outputs carry no text
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
+        self._prompts = None if self.tokenizer is None else PromptTokenizer(self.tokenizer)
         self._ids = itertools.count()
 
     @property
@@ -161,29 +177,29 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``)
         or to a list of conversations, and generate one output for each."""
-        tokenizer = self._require_tokenizer()
+        prompts = self._require_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts: list[str | None] = []
         token_lists: list[list[int]] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-            )
+            text = prompts.chat_text(list(conversation), add_generation_prompt=add_generation_prompt,
+                                     chat_template=chat_template)
             texts.append(text)
-            token_lists.append(tokenizer.encode(text, add_special_tokens=False))
+            token_lists.append(prompts.encode_chat(list(conversation), add_generation_prompt=add_generation_prompt,
+                                                   chat_template=chat_template))
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
     # -- engine loop ----------------------------------------------------------------------------------
 
-    def _require_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise ValueError("prompt: text prompts need a tokenizer (LLM was built with skip_tokenizer_init=True)")
-        return self.tokenizer
+    def _require_tokenizer(self) -> PromptTokenizer:
+        if self._prompts is None:
+            raise InvalidArgumentError("prompt", "text prompts need a tokenizer (LLM was built with "
+                                                 "skip_tokenizer_init=True)")
+        return self._prompts
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return list(self._require_tokenizer().encode(prompt))
+            return self._require_tokenizer().encode_text(prompt)
         return [int(t) for t in prompt]
 
     def _run(self, texts: list[str | None], token_lists: list[list[int]],
@@ -203,7 +219,10 @@ class LLM:
             for text, ids, params in zip(texts, token_lists, params_list):
                 rid = str(next(self._ids))
                 self.scheduler.add_request(Request(rid, ids, params, arrival_time=float(len(order))))
-                pending[rid] = _Pending(text, ids, logprobs=[] if params.logprobs is not None else None)
+                if params.stop and self.tokenizer is None:
+                    raise InvalidArgumentError("stop", "stop strings need a tokenizer (skip_tokenizer_init=True)")
+                output_text = None if self.tokenizer is None else OutputText(self.tokenizer, ids, params.stop)
+                pending[rid] = _Pending(text, ids, output_text, logprobs=[] if params.logprobs is not None else None)
                 order.append(rid)
             self._loop(pending, use_tqdm if use_tqdm is not None else len(order) >= _TQDM_MIN_PROMPTS)
         finally:
@@ -225,19 +244,24 @@ class LLM:
                 if scheduler_output.is_empty and not self.scheduler.has_unfinished_requests():
                     break
                 runner_output = self.runner.execute_model(scheduler_output)
+                stopped: list[str] = []
                 for out in self.scheduler.update_from_output(scheduler_output, runner_output):
                     state = pending.get(out.request_id)
-                    if state is None:
+                    if state is None or state.finish_reason is not None:
                         continue
-                    state.token_ids.extend(out.new_token_ids)
                     state.num_cached_tokens = out.num_cached_tokens
-                    if state.logprobs is not None and out.new_logprobs:
-                        state.logprobs.extend(out.new_logprobs)
-                    if out.finished:
-                        state.finish_reason = str(out.finish_reason)
+                    if state.add(out.new_token_ids, out.new_logprobs):
+                        state.finish("stop")
+                        if not out.finished:
+                            stopped.append(out.request_id)  # the scheduler does not know stop strings
+                    elif out.finished:
+                        state.finish(str(out.finish_reason))
+                    if state.finish_reason is not None:
                         remaining -= 1
                         if bar is not None:
                             bar.update(1)
+                if stopped:
+                    self.scheduler.abort(stopped)
                 if scheduler_output.is_empty and remaining:
                     raise RuntimeError("the scheduler made no progress with requests outstanding")
         finally:
@@ -249,9 +273,10 @@ class LLM:
             request_id=rid,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            text=self.tokenizer.decode(state.token_ids, skip_special_tokens=True) if self.tokenizer else "",
+            text="".join(state.pieces),
             token_ids=state.token_ids,
             finish_reason=state.finish_reason,
             num_cached_tokens=state.num_cached_tokens,
             logprobs=state.logprobs,
+            stop_string=state.stop_string,
         )

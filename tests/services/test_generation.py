@@ -109,6 +109,30 @@ async def test_stop_string_ends_the_request_and_is_never_shown(stack, llm):
     assert all(stop not in c.text for c in chunks)
 
 
+async def test_in_process_and_served_engines_agree_on_stop_strings(stack, llm):
+    """One text path (gateway_service.text) for both engines: the same requests with stop strings
+    give the same text, tokens, finish reason and stop string through LLM.generate and the stack."""
+    prompts = ["Counting: one two three", "The capital of France is", "Once upon a time"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    references = [o.text for o in llm.generate(prompts, greedy)]
+    stops = [[ref[8:11]] for ref in references] + [["no such stop string here"]]
+    cases = list(zip(prompts + prompts[:1], stops))
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=tuple(stop)) for _, stop in cases]
+
+    in_process = llm.generate([p for p, _ in cases], params)
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        served = [await client.generate(p, max_tokens=24, temperature=0, ignore_eos=True, stop=stop)
+                  for p, stop in cases]
+
+    for (prompt, stop), mine, theirs in zip(cases, in_process, served):
+        assert mine.text == theirs.text, (prompt, stop)
+        assert tuple(mine.token_ids) == theirs.token_ids
+        assert mine.finish_reason == theirs.finish_reason
+        assert mine.stop_string == theirs.stop_string
+    assert [o.finish_reason for o in in_process] == ["stop", "stop", "stop", "length"]
+    assert all(o.stop_string not in o.text for o in in_process[:3])
+
+
 async def test_deadline_aborts_the_request_and_frees_its_blocks(stack):
     from pagedserve.errors import DeadlineExceededError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway_service.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway_service.text import IncrementalDetokenizer, StopStringMatcher
 from servicekit.proto import convert as shared_convert
 from pagedserve.errors import InvalidArgumentError, from_rpc_error
 from scheduler_service import convert as scheduler_convert

@@ -1,0 +1,160 @@
+"""The text path, once for both engines (DESIGN.md decision 7): the gateway and ``pagedserve.LLM``
+load the tokenizer, apply chat templates, detokenize incrementally and match stop strings with
+this module, so the same request gives the same tokens and text in-process and served.
+
+- :func:`load_tokenizer` / :class:`PromptTokenizer`: text or a conversation to prompt token ids;
+- :class:`IncrementalDetokenizer`: one token at a time to text that never ends in a broken
+  multi-byte character (a small window of the prompt's last tokens gives context, so a token's
+  leading space survives; text is released once it no longer ends in U+FFFD);
+- :class:`StopStringMatcher`: releases text only when no stop string could still start in it, so
+  a reader never sees part of a stop string;
+- :class:`OutputText`: the two together, per request: tokens in, (text, stop string) out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servicekit.contract.errors import InvalidArgumentError
+
+
+def load_tokenizer(model: str) -> Any:
+    """The Hugging Face tokenizer of ``model`` (a short name, a folder or a .gguf file)."""
+    from transformers import AutoTokenizer
+
+    from servicekit.model_registry import resolve_model
+
+    source = resolve_model(model)
+    try:
+        return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())
+    except (OSError, ValueError) as e:
+        raise InvalidArgumentError("tokenizer", f"cannot load one from {model!r} ({e})") from e
+
+
+class PromptTokenizer:
+    """Prompt token ids from text or a conversation, the same way everywhere."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text, special tokens added as the model does."""
+        return list(self.hf.encode(text))
+
+    def chat_text(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
+                  chat_template: str | None = None) -> str:
+        """A conversation through the chat template (with a generation prompt by default)."""
+        if not messages:
+            raise InvalidArgumentError("chat", "at least one message is required")
+        if chat_template is None and getattr(self.hf, "chat_template", None) is None:
+            raise InvalidArgumentError("chat", "the model has no chat template")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+
+    def encode_chat(self, messages: list[dict[str, str]], **template_options) -> list[int]:
+        """The token ids of :meth:`chat_text` (the template already holds the special tokens)."""
+        return list(self.hf.encode(self.chat_text(messages, **template_options), add_special_tokens=False))
+
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first outputs, for spacing
+
+
+class IncrementalDetokenizer:
+    """Invariant: the concatenation of every :meth:`add` result plus :meth:`flush` equals the text
+    of all tokens added, decoded in the context of the prompt's last tokens."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._ids = context
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = len(context)  # tokens before this are released as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (possibly empty)."""
+        ids = self._ids
+        ids.append(token_id)
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever text is still held back (at the end of the output, broken characters included)."""
+        ids = self._ids
+        if self._read_offset == len(ids):
+            return ""
+        prefix_text = self._decode(ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(ids)
+        return full_text[len(prefix_text):]
+
+
+class StopStringMatcher:
+    """Holds back the tail of the text that could still begin a stop string.
+
+    Invariant: released text never contains, nor ends with the beginning of, a stop string; so a
+    match always starts inside the held-back text or the new text.
+    """
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self._stop = tuple(stop)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Returns (text safe to release, the stop string if one completed). After a match the
+        text from the stop string on is dropped and the matcher is done."""
+        if not self._stop:
+            return text, None
+        buf = self._held + text
+        match_at, matched = -1, None
+        for s in self._stop:
+            i = buf.find(s)
+            if i >= 0 and (match_at < 0 or i < match_at):
+                match_at, matched = i, s
+        if matched is not None:
+            self._held = ""
+            return buf[:match_at], matched
+        hold = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], None
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+
+class OutputText:
+    """The text of one request's output, token by token: detokenized, stop strings applied.
+
+    Invariant: the pieces returned by :meth:`add` and :meth:`finish` join to the output's text up to
+    (not including) the first stop string, which :meth:`add` reports with the token that completed it.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (), *,
+                 skip_special_tokens: bool = True) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+        self._matcher = StopStringMatcher(stop)
+
+    def add(self, token_id: int) -> tuple[str, str | None]:
+        """The text ``token_id`` releases, and the stop string it completed (then the output ends)."""
+        return self._matcher.feed(self._detokenizer.add(token_id))
+
+    def finish(self) -> tuple[str, str | None]:
+        """At the output's end: the text still held back, and a stop string it completed, if any."""
+        piece, stop = self._matcher.feed(self._detokenizer.flush())
+        return (piece, stop) if stop is not None else (piece + self._matcher.flush(), None)
