@@ -125,3 +125,21 @@ async def test_kill_both_workers_of_one_scheduler(new_cluster, expected):
 
     await run_and_check(stack, expected, kill_pair)
     await assert_surviving_pools_all_free(stack)
+
+
+async def test_2_workers_2_schedulers_both_die_and_one_joins(new_cluster, expected, tiny_model_dir):
+    """No worker anywhere for 5 s, two schedulers holding requests (one may have handed its
+    requests back on a stale view of the other): every stream waits, then finishes on the
+    newcomer, whichever scheduler drives it."""
+    stack = new_cluster(num_workers=2, num_schedulers=2)
+    await settle(stack, [1, 1])
+
+    async def kill_both_then_rejoin() -> None:
+        for worker in stack.live("worker"):
+            stack.kill(worker)
+        await asyncio.sleep(REJOIN_AFTER_S)
+        newcomer = start_worker(stack, tiny_model_dir, "worker-rejoined")
+        await asyncio.to_thread(stack.wait_serving, newcomer, timeout_s=120)
+
+    await run_and_check(stack, expected, kill_both_then_rejoin)
+    await assert_surviving_pools_all_free(stack)
