@@ -4,7 +4,7 @@ A supervisor pass runs every ``discovery_interval_s``:
 
 - forget engines whose worker was lost (their requests were handed back already) and release
   their leases;
-- find workers: the ``--workers`` list, or the Redis registry. In registry mode a scheduler
+- find workers: the ``--workers`` list, or the Redis registry (schedulers register in both modes). In registry mode a scheduler
   claims free workers only up to its fair share, ``ceil(live workers / live schedulers)`` (both
   from the registry), and hands workers beyond its share back gracefully (no new requests; once
   empty, stream closed and lease released) so a newly started scheduler gets workers too (the last
@@ -170,8 +170,11 @@ class WorkerPool:
                 driving += 1
             if not s.workers:
                 self._rebalance(share, live)
-            if others_serve and not self.routable() and self._on_starving is not None:
-                await self._on_starving()
+            if not self.routable() and self._on_starving is not None:
+                if s.workers:  # no registry scan this pass: read the other schedulers' records now
+                    others_serve = await self._others_serve()
+                if others_serve:
+                    await self._on_starving()
         for engine in list(self.engines.values()):
             if engine.releasing and engine.connected and engine.load == 0:  # lost ones are reaped
                 log.info("handing worker %s back (rebalancing)", engine.address)
@@ -197,12 +200,23 @@ class WorkerPool:
         if lost:
             await asyncio.gather(*(self._probe(e) for e in lost))
         num_schedulers = max(1, len({r.consumer for r in schedulers} | {self.settings.consumer}))
-        others_serve = any(r.num_workers > 0 for r in schedulers if r.consumer != self.settings.consumer)
+        others_serve = self._any_other_serves(schedulers)
         share = math.ceil(len(records) / num_schedulers)
         me = self.settings.consumer.encode()
         free: list[WorkerRecord] = [r for r, h in zip(records, holders) if h is None or h == me]
         self._rng.shuffle(free)  # two schedulers starting together do not race for the same worker
         return [(r.address, r.worker_id) for r in free], share, others_serve, live
+
+    def _any_other_serves(self, schedulers: list[SchedulerRecord]) -> bool:
+        """Whether another live scheduler drove a worker that takes requests at its last pass."""
+        return any(r.num_workers > 0 for r in schedulers if r.consumer != self.settings.consumer)
+
+    async def _others_serve(self) -> bool:
+        try:
+            return self._any_other_serves(await list_schedulers(self._redis, self._keys))
+        except RedisError as exc:
+            log.warning("scheduler registry unreadable: %s", exc)
+            return False
 
     async def _probe(self, engine: WorkerEngine) -> None:
         """A driven worker stopped heartbeating: lost unless it still answers its health check."""
