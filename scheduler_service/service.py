@@ -256,26 +256,6 @@ class SchedulerApp:
         self._capacity.set()
         self._route_backlog()
 
-    async def _hand_back_backlog(self) -> None:
-        """No engine of ours takes requests and another scheduler drives a worker: hand what waits
-        here back to the consumer group, marked idle, so a scheduler with room takes it over (from
-        prompt + delivered outputs) at its next pending pass instead of after ``reclaim_idle_s``.
-        Entries leave the backlog before the release (nothing here refreshes them again); if
-        Redis is away they come back and the next supervisor pass tries again."""
-        if not self._backlog or self._draining:
-            return
-        handed, self._backlog = self._backlog, collections.deque()
-        async with self._pending_lock:
-            try:
-                released = await self.queue.release([entry_id for _r, entry_id in handed],
-                                                    int(self.settings.reclaim_idle_s * 1000))
-            except RedisError as exc:
-                log.warning("could not hand %d requests back to the group: %s", len(handed), exc)
-                self._backlog.extendleft(reversed(handed))
-                return
-        log.info("no worker here while another scheduler drives one: handed %d requests back to the group",
-                 len(released))
-
     async def _finish_unstarted(self, entry_id: str, request_id: str, field: str, message: str) -> None:
         """Publish a final ABORT record for a request never handed to a worker, and ACK it."""
         records = [(request_id, convert.error_record(field, message))] if request_id else []
@@ -330,6 +310,26 @@ class SchedulerApp:
                     continue
             self.num_taken_over += 1
             log.warning("request %s was taken over by another scheduler", rid)
+
+    async def _hand_back_backlog(self) -> None:
+        """No engine of ours takes requests and another scheduler drives a worker: hand what waits
+        here back to the consumer group, marked idle, so a scheduler with room takes it over (from
+        prompt + delivered outputs) at its next pending pass instead of after ``reclaim_idle_s``.
+        Entries leave the backlog before the release (nothing here refreshes them again); if
+        Redis is away they come back and the next supervisor pass tries again."""
+        if not self._backlog or self._draining:
+            return
+        handed, self._backlog = self._backlog, collections.deque()
+        async with self._pending_lock:
+            try:
+                released = await self.queue.release([entry_id for _r, entry_id in handed],
+                                                    int(self.settings.reclaim_idle_s * 1000))
+            except RedisError as exc:
+                log.warning("could not hand %d requests back to the group: %s", len(handed), exc)
+                self._backlog.extendleft(reversed(handed))
+                return
+        log.info("no worker here while another scheduler drives one: handed %d requests back to the group",
+                 len(released))
 
     async def _reclaim(self) -> None:
         s = self.settings
