@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen native kubectl test test-fast serve bench clean
+.PHONY: help install gen native kubectl test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
@@ -19,6 +19,9 @@ help:
 	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
 	@echo "make native  - build the C decode-attention kernel of the CPU path for this machine"
 	@echo "make clean   - remove the virtual environment and generated code"
+	@echo "make gpu-check     - on a CUDA machine: kernels, model parity, kernel speed, throughput, stack (< 8 min, H200)"
+	@echo "make gpu-check-dry - the same check on this CPU with tiny shapes (Triton's interpreter)"
+	@echo "make gpu-wheels    - download the wheels the GPU machine lacks into .gpu-wheels/ (and make gen)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,3 +57,21 @@ serve: install
 
 clean:
 	rm -rf $(VENV) servicekit/proto/proto_gen *.egg-info
+
+# The GPU check (benchmarks/gpu_check.py; README, "GPU check"). On the GPU machine there is no
+# .venv and nothing to install: its python3 runs the tree as is, with .gpu-wheels/ and the
+# generated proto code carried along. Log and JSON go to $(OUT) (the device tool sets it).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_WHEELS_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PY) benchmarks/gpu_check.py --out $(or $(OUT),/tmp/pagedserve-gpu-check)
+
+gpu-check-dry: install
+	PYTHONUNBUFFERED=1 $(PY) benchmarks/gpu_check.py --dry --out $(or $(OUT),/tmp/pagedserve-gpu-check-dry)
+
+gpu-wheels: gen
+	rm -rf .gpu-wheels && mkdir -p .gpu-wheels
+	sed -e 's/#.*//' benchmarks/gpu_wheels.txt | xargs $(PIP) download -q --no-deps --only-binary=:all: \
+		--python-version 3.12 --implementation cp $(GPU_WHEELS_PLATFORMS) -d .gpu-wheels
+	@du -ch .gpu-wheels servicekit/proto/proto_gen | tail -1 | sed 's/total/carried in all (the limit is 64 MiB with the tree)/'

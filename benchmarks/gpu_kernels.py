@@ -53,6 +53,33 @@ CHECK_DECODE_LENS = [32768, 1, 17, 4096, 31000, 777, 16384, 12345, 2048, 100, 32
 CHECK_MIXED_Q_LENS = [1] * 20 + [512, 1000, 37, 2048]
 CHECK_MIXED_SEQ_LENS = [(n * 2654435761) % 8191 + 1 for n in range(20)] + [4608, 1000, 20037, 6144]
 CHECK_CACHE_TOKENS, CHECK_CACHE_BLOCKS = 4096, 2048
+# Every size above shrunk, for a dry run on the CPU under Triton's interpreter (the tests, and
+# benchmarks/gpu_check.py --dry): same stages, seconds instead of minutes.
+DRY_RUN_SIZES = dict(
+    NUM_HEADS=4,
+    NUM_KV_HEADS=2,
+    HEAD_DIM=16,
+    BLOCK_SIZE=4,
+    BATCHES=[1, 2],
+    CONTEXTS=[16, 40],
+    QUICK_BATCHES=[1, 2],
+    QUICK_CONTEXTS=[16, 40],
+    GOAL_MIN_BATCH=2,
+    GOAL_MIN_CONTEXT=40,
+    CHECK_DECODE_LENS=[40, 1, 17],
+    CHECK_MIXED_Q_LENS=[1, 1, 5, 9],
+    CHECK_MIXED_SEQ_LENS=[30, 3, 5, 33],
+    CHECK_CACHE_TOKENS=20,
+    CHECK_CACHE_BLOCKS=16,
+    COPY_BYTES=1 << 20,
+    OVERHEAD_CALLS=2,
+    SWEEP_POINTS=[(2, 40)],
+)
+
+
+def use_dry_run_sizes() -> None:
+    """Switch this module to :data:`DRY_RUN_SIZES` (for a whole process: a dry run)."""
+    globals().update(DRY_RUN_SIZES)
 
 
 def log(message: str) -> None:
@@ -60,7 +87,12 @@ def log(message: str) -> None:
 
 
 def bench_ms(fn) -> float:
-    """Median milliseconds of ``fn()`` (Triton's do_bench: warm-up, L2 flushed between runs)."""
+    """Median milliseconds of ``fn()`` (Triton's do_bench: warm-up, L2 flushed between runs); one
+    wall-clock call without CUDA (a dry run: the figure only proves the stage runs)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     import triton.testing
 
     try:
@@ -188,7 +220,14 @@ def kv_bytes(batch: int, context: int) -> int:
     return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
 
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def fits(batch: int, context: int) -> bool:
+    if not torch.cuda.is_available():
+        return True  # a dry run's tiny shapes
     free, _ = torch.cuda.mem_get_info()
     return 1.15 * kv_bytes(batch, context) + (1 << 30) < free
 
@@ -219,12 +258,12 @@ def launcher_overhead_us(device: str) -> float:
     out = torch.empty_like(data["query"])
     for _ in range(10):
         paged_attention(**data, out=out)
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(OVERHEAD_CALLS):
         paged_attention(**data, out=out)
     per_call_us = (time.perf_counter() - start) / OVERHEAD_CALLS * 1e6
-    torch.cuda.synchronize()
+    synchronize(device)
     log(f"paged_attention host overhead: {per_call_us:.1f} us per call")
     return per_call_us
 

@@ -128,19 +128,26 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
     return result
 
 
-def run_hf_static(hf_model: Any, requests: list[BenchRequest], batch_size: int, pad_token_id: int) -> dict:
+def run_hf_static(hf_model: Any, requests: list[BenchRequest], batch_size: int, pad_token_id: int, *,
+                  max_seconds: float = float("inf")) -> dict:
+    """Static batches in order; once ``max_seconds`` have passed no further batch starts (the
+    figures then cover ``batches_run`` of ``batches`` batches, each measured whole)."""
     rss = PeakRSS()
     useful = 0
     generated = 0
+    batches_run = 0
     with rss.phase(), torch.inference_mode():
         t0 = time.perf_counter()
         for start in range(0, len(requests), batch_size):
+            if batches_run and time.perf_counter() - t0 > max_seconds:
+                break
+            batches_run += 1
             batch = requests[start : start + batch_size]
             width = max(len(r.prompt_token_ids) for r in batch)
-            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long, device=hf_model.device)
+            mask = torch.zeros((len(batch), width), dtype=torch.long, device=hf_model.device)
             for i, r in enumerate(batch):  # left padding
-                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids, device=ids.device)
                 mask[i, width - len(r.prompt_token_ids):] = 1
             new = max(r.output_len for r in batch)
             out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -150,6 +157,8 @@ def run_hf_static(hf_model: Any, requests: list[BenchRequest], batch_size: int, 
         elapsed = time.perf_counter() - t0
     return {
         "batch_size": batch_size,
+        "batches": -(-len(requests) // batch_size),
+        "batches_run": batches_run,
         "generate_s": round(elapsed, 3),
         "useful_output_tokens": useful,
         "generated_tokens_incl_padding": generated,

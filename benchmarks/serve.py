@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="intra-op threads for the worker and the in-process engine alike (0: torch's default)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = parser.parse_args(argv)
 
     from servicekit.model_registry import resolve_model
@@ -240,12 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         print(report(summaries[-1]))
         ratio = summaries[0]["output_token_throughput"] / max(summaries[1]["output_token_throughput"], 1e-9)
         print(f"stack / in-process output-token throughput: {ratio:.1%} (goal >= 90%)")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"serve-{Path(args.model).name}-n{args.num_requests}-r{args.request_rate}{'-' + args.tag if args.tag else ''}"
     payload = {"config": vars(args), "results": summaries}
-    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
-    plot(results, RESULTS / f"{stem}.png")
-    print(f"wrote {RESULTS / (stem + '.json')}")
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
+    plot(results, args.out / f"{stem}.png")
+    print(f"wrote {args.out / (stem + '.json')}")
     return 0
 
 

@@ -41,6 +41,24 @@ end
 return lost
 """
 
+# KEYS[1]: requests stream. ARGV: group, consumer, idle ms, entry ids...
+# Hands entries back to the group: each one still pending for this consumer is marked idle for
+# ``idle ms`` (so any scheduler's next claim pass takes it) with its delivery count lowered by one,
+# so the takeover that follows does not count as a retry: a graceful hand-back is not a failure.
+# Entries no longer ours (finished, or taken over) are left alone. Returns the ids released.
+_RELEASE_LUA = """
+local released = {}
+for i = 4, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    local count = math.max(tonumber(p[1][4]) - 1, 0)
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'RETRYCOUNT', count, 'JUSTID')
+    released[#released + 1] = ARGV[i]
+  end
+end
+return released
+"""
+
 # KEYS[1]: requests stream. ARGV: group, consumer, min idle ms, start id, count.
 # XAUTOCLAIM plus each claimed entry's delivery count (XAUTOCLAIM itself does not return it).
 # Returns {next start id, entries, delivery counts}; an entry deleted while pending is nil
@@ -58,7 +76,7 @@ end
 return {r[1], entries, counts}
 """
 
-REFRESH_BATCH = 500  # entry ids per script call (Lua's unpack has a stack limit)
+ENTRY_BATCH = 500  # entry ids per script call (Lua's unpack has a stack limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +112,7 @@ class RedisQueue:
         self._output_ttl_s = output_ttl_s
         self._refresh = redis.register_script(_REFRESH_LUA)
         self._claim = redis.register_script(_CLAIM_LUA)
+        self._release = redis.register_script(_RELEASE_LUA)
         self._claim_cursor = "0-0"
 
     async def pull(self, count: int, block_ms: int) -> list[QueueEntry]:
@@ -137,12 +156,7 @@ class RedisQueue:
     async def refresh_pending(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of the entries this scheduler still owns; return the ones it does
         not own any more (finished meanwhile, or taken over by another scheduler)."""
-        lost: list[str] = []
-        for i in range(0, len(entry_ids), REFRESH_BATCH):
-            batch = entry_ids[i:i + REFRESH_BATCH]
-            reply = await self._refresh(keys=[self._keys.requests], args=[SCHEDULER_GROUP, self.consumer, *batch])
-            lost.extend(_str(x) for x in reply)
-        return lost
+        return await self._per_batch(self._refresh, entry_ids)
 
     async def claim_idle(self, min_idle_ms: int, count: int) -> list[ClaimedEntry]:
         """Take over up to ``count`` entries idle for ``min_idle_ms`` or longer (their scheduler
@@ -153,12 +167,22 @@ class RedisQueue:
         self._claim_cursor = _str(next_id)
         return [ClaimedEntry(_entry(e[0], e[1]), int(n)) for e, n in zip(entries, counts)]
 
-    async def release(self, entry_ids: list[str], idle_ms: int) -> None:
-        """Hand entries back: mark them idle for ``idle_ms`` so any scheduler reclaims them at its
-        next pass (a draining scheduler's unfinished requests)."""
-        if entry_ids:
-            await self._redis.xclaim(self._keys.requests, SCHEDULER_GROUP, self.consumer, 0, entry_ids,
-                                     idle=idle_ms, justid=True)
+    async def release(self, entry_ids: list[str], idle_ms: int) -> list[str]:
+        """Hand entries back to the group: mark those still ours idle for ``idle_ms`` so any
+        scheduler with room takes them over at its next claim pass (a draining scheduler's
+        unfinished requests; those of a scheduler left without a worker). The takeover does not
+        count as a delivery. Returns the ids released (the others were not ours any more)."""
+        return await self._per_batch(self._release, entry_ids, idle_ms)
+
+    async def _per_batch(self, script, entry_ids: list[str], *args) -> list[str]:
+        """Run an entry script (ARGV: group, consumer, ``args``, entry ids...) over ``entry_ids`` in
+        batches; the ids it returns, concatenated."""
+        out: list[str] = []
+        for i in range(0, len(entry_ids), ENTRY_BATCH):
+            batch = entry_ids[i:i + ENTRY_BATCH]
+            reply = await script(keys=[self._keys.requests], args=[SCHEDULER_GROUP, self.consumer, *args, *batch])
+            out.extend(_str(x) for x in reply)
+        return out
 
     async def read_outputs(self, request_ids: list[str]) -> list[list[bytes] | None]:
         """Each request's output records so far (EngineOutput bytes, in order), or None when its

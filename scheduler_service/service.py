@@ -14,7 +14,9 @@ Tasks (all on one event loop):
 - the worker pool (``scheduler_service.workers``): leases, discovery, one engine loop per worker.
 
 A worker lost mid-generation hands its requests back (prompt + delivered outputs); they resume on
-another worker, or wait here for one (DESIGN.md decision 5).
+another worker of this scheduler. With none left, they go back to the consumer group when another
+scheduler drives a worker (it claims them at its next pending pass: within ``reclaim_interval_s``),
+or wait here until a worker joins (DESIGN.md decision 5).
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class SchedulerApp:
         self._capacity = asyncio.Event()  # set when engines may have room again
         self._backlog: collections.deque[tuple[Request, str]] = collections.deque()  # (request, entry id)
         self._recent_aborts: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Held by whatever changes the idle time of our pending entries (refresh, hand-back), so a
+        # refresh that read the backlog before a hand-back cannot make a handed-back entry busy.
+        self._pending_lock = asyncio.Lock()
         self._draining = False
         self.num_finished = 0
         self.num_aborted = 0
@@ -116,7 +121,8 @@ class SchedulerApp:
         await self.lifecycle.start()
         self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,
-                               on_finished=self._count_finished, stranded=lambda: len(self._backlog))
+                               on_finished=self._count_finished, stranded=lambda: len(self._backlog),
+                               on_starving=self._hand_back_backlog)
         abort_cursor = await self.queue.last_abort_id()  # before intake: no abort slips between
         await self.pool.start()
         self._tasks = [
@@ -147,7 +153,8 @@ class SchedulerApp:
             await self.pool.stop()
         if leftover:
             try:
-                await self.queue.release(leftover, int(self.settings.reclaim_idle_s * 1000))
+                async with self._pending_lock:
+                    await self.queue.release(leftover, int(self.settings.reclaim_idle_s * 1000))
                 log.info("handed %d unfinished requests to the other schedulers", len(leftover))
             except RedisError as exc:
                 log.warning("could not hand back %d requests (they are taken over once idle): %s",
@@ -288,10 +295,11 @@ class SchedulerApp:
     async def _refresh_pending(self) -> None:
         """Reset the idle time of what we hold; forget what another scheduler took over from us
         (we were too slow, e.g. cut off from Redis past the idle time): it resumes there."""
-        held = self._held_entries()
-        if not held:
-            return
-        lost = await self.queue.refresh_pending(list(held))
+        async with self._pending_lock:
+            held = self._held_entries()
+            if not held:
+                return
+            lost = await self.queue.refresh_pending(list(held))
         for entry_id in lost:
             rid, engine = held[entry_id]
             if engine is not None:
@@ -305,6 +313,26 @@ class SchedulerApp:
                     continue
             self.num_taken_over += 1
             log.warning("request %s was taken over by another scheduler", rid)
+
+    async def _hand_back_backlog(self) -> None:
+        """No engine of ours takes requests and another scheduler drives a worker: hand what waits
+        here back to the consumer group, marked idle, so a scheduler with room takes it over (from
+        prompt + delivered outputs) at its next pending pass instead of after ``reclaim_idle_s``.
+        Entries leave the backlog before the release (nothing here refreshes them again); if
+        Redis is away they come back and the next supervisor pass tries again."""
+        if not self._backlog or self._draining:
+            return
+        handed, self._backlog = self._backlog, collections.deque()
+        async with self._pending_lock:
+            try:
+                released = await self.queue.release([entry_id for _r, entry_id in handed],
+                                                    int(self.settings.reclaim_idle_s * 1000))
+            except RedisError as exc:
+                log.warning("could not hand %d requests back to the group: %s", len(handed), exc)
+                self._backlog.extendleft(reversed(handed))
+                return
+        log.info("no worker here while another scheduler drives one: handed %d requests back to the group",
+                 len(released))
 
     async def _reclaim(self) -> None:
         s = self.settings

@@ -4,18 +4,24 @@ A supervisor pass runs every ``discovery_interval_s``:
 
 - forget engines whose worker was lost (their requests were handed back already) and release
   their leases;
-- find workers: the ``--workers`` list, or the Redis registry. In registry mode a scheduler
+- find workers: the ``--workers`` list, or the Redis registry (schedulers register in both modes). In registry mode a scheduler
   claims free workers only up to its fair share, ``ceil(live workers / live schedulers)`` (both
   from the registry), and hands workers beyond its share back gracefully (no new requests; once
-  empty, stream closed and lease released) so a newly started scheduler gets workers too. When
-  another scheduler holds requests but no worker at all (its only worker died), one with two or
-  more hands one back at once, its requests resuming on its other workers;
+  empty, stream closed and lease released) so a newly started scheduler gets workers too (the last
+  worker a scheduler drives is never handed over: it keeps serving);
+- a scheduler left without a worker that takes requests (its workers died) while another live
+  scheduler drives one hands the requests it holds back to the consumer group
+  (``on_starving``), where a scheduler with room claims them at its next pending pass (within
+  ``reclaim_interval_s``), not after the idle-reclaim time. With fewer workers than schedulers this
+  is how work moves; with as many or more, the fair share then brings it a worker too. When no
+  scheduler drives a worker, it keeps its requests until a worker joins: they wait, never fail;
 - a driven worker whose registry entry expired (heartbeats stopped) is probed; unreachable, it is
   declared lost and its requests resume elsewhere;
 - claim: take the worker's lease (``scheduler_service.leases``), then open its Step stream.
 
 Leases are renewed every third of their TTL by a task of their own; a lease found taken by another
-scheduler means this one must stop driving that worker.
+scheduler means this one must stop driving that worker. A lost worker wakes the supervisor at once,
+so the hand-back above does not wait for the next pass.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from redis.exceptions import RedisError
@@ -52,13 +58,17 @@ class WorkerPool:
 
     Callbacks into the service: ``on_change()`` when room may have appeared (a worker connected or
     became ready), ``on_lost(engine, handed)`` with the requests of a lost worker,
-    ``on_finished(n, n_aborted)`` after each publish with finished requests.
+    ``on_finished(n, n_aborted)`` after each publish with finished requests, ``await
+    on_starving()`` when no engine takes requests while another scheduler drives a worker (the
+    service hands what it holds back to the group), ``stranded()``: requests the service holds
+    that no engine takes.
     """
 
     def __init__(self, settings: SchedulerSettings, redis, keys: RedisKeys, queue: RedisQueue, *,
                  admin_address: str, on_change: Callable[[], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None],
-                 on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0) -> None:
+                 on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0,
+                 on_starving: Callable[[], Awaitable[None]] | None = None) -> None:
         self.settings = settings
         self._redis = redis
         self._keys = keys
@@ -66,7 +76,9 @@ class WorkerPool:
         self._on_change = on_change
         self._on_lost = on_lost
         self._on_finished = on_finished
-        self._stranded = stranded  # requests the service holds that no engine takes
+        self._stranded = stranded
+        self._on_starving = on_starving
+        self._wake = asyncio.Event()  # a worker was lost: run the supervisor pass now
         self.leases = WorkerLeases(redis, keys, settings.consumer, ttl_s=settings.lease_ttl_s)
         self._record = SchedulerRecord(settings.consumer, admin_address, 0)
         self._heartbeat = Heartbeat(redis, keys, self._record, settings.lease_ttl_s,
@@ -123,18 +135,22 @@ class WorkerPool:
 
     async def _supervise(self) -> None:
         while not cancel_requested():
+            self._wake.clear()  # a loss during the pass below runs the next one at once
             try:
                 await self._supervise_once()
             except Exception:  # never let the supervisor die: log and try again next pass
                 if cancel_requested():
                     break
                 log.exception("supervisor pass failed")
-            await asyncio.sleep(self.settings.discovery_interval_s)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.discovery_interval_s)
+            except asyncio.TimeoutError:
+                pass
 
     async def _supervise_once(self) -> None:
         await self._reap()
         s = self.settings
-        starving, live = False, set()
+        others_serve, live = False, set()
         if s.workers:
             candidates = [(address, None) for address in s.workers]
             share = len(s.workers)
@@ -142,7 +158,7 @@ class WorkerPool:
             found = await self._discover()
             if found is None:
                 return  # registry unreadable: change nothing
-            candidates, share, starving, live = found
+            candidates, share, others_serve, live = found
         if not self.draining:
             driving = sum(not e.releasing for e in self.engines.values()) + len(self._connecting)
             for address, _worker_id in candidates:
@@ -153,18 +169,24 @@ class WorkerPool:
                 self._connecting[address] = asyncio.create_task(self._connect(address), name=f"connect {address}")
                 driving += 1
             if not s.workers:
-                self._rebalance(share, starving, live)
+                self._rebalance(share, live)
+            if not self.routable() and self._on_starving is not None:
+                if s.workers:  # no registry scan this pass: read the other schedulers' records now
+                    others_serve = await self._others_serve()
+                if others_serve:
+                    await self._on_starving()
         for engine in list(self.engines.values()):
             if engine.releasing and engine.connected and engine.load == 0:  # lost ones are reaped
                 log.info("handing worker %s back (rebalancing)", engine.address)
                 await self._retire(engine)
-        num_workers = sum(e.connected for e in self.engines.values())
+        # Workers that take (or will take) new requests: one being handed over does not count.
+        num_workers = sum(e.connected and not e.releasing for e in self.engines.values())
         await self._heartbeat.update(SchedulerRecord(self._record.consumer, self._record.address, num_workers,
                                                      0 if num_workers else self._stranded()))
 
     async def _discover(self) -> tuple[list[tuple[str, str]], int, bool, set[str]] | None:
         """Free registered workers (no lease, or ours) in a per-scheduler order, this scheduler's
-        fair share, whether another live scheduler strands requests without a worker, and the
+        fair share, whether another live scheduler drives a worker (as of its last pass), and the
         ids of the registered workers; also probes driven workers whose registry entry expired."""
         try:
             records = await list_workers(self._redis, self._keys)
@@ -178,13 +200,23 @@ class WorkerPool:
         if lost:
             await asyncio.gather(*(self._probe(e) for e in lost))
         num_schedulers = max(1, len({r.consumer for r in schedulers} | {self.settings.consumer}))
-        starving = any(r.num_workers == 0 and r.num_stranded > 0 for r in schedulers
-                       if r.consumer != self.settings.consumer)
+        others_serve = self._any_other_serves(schedulers)
         share = math.ceil(len(records) / num_schedulers)
         me = self.settings.consumer.encode()
         free: list[WorkerRecord] = [r for r, h in zip(records, holders) if h is None or h == me]
         self._rng.shuffle(free)  # two schedulers starting together do not race for the same worker
-        return [(r.address, r.worker_id) for r in free], share, starving, live
+        return [(r.address, r.worker_id) for r in free], share, others_serve, live
+
+    def _any_other_serves(self, schedulers: list[SchedulerRecord]) -> bool:
+        """Whether another live scheduler drove a worker that takes requests at its last pass."""
+        return any(r.num_workers > 0 for r in schedulers if r.consumer != self.settings.consumer)
+
+    async def _others_serve(self) -> bool:
+        try:
+            return self._any_other_serves(await list_schedulers(self._redis, self._keys))
+        except RedisError as exc:
+            log.warning("scheduler registry unreadable: %s", exc)
+            return False
 
     async def _probe(self, engine: WorkerEngine) -> None:
         """A driven worker stopped heartbeating: lost unless it still answers its health check."""
@@ -194,22 +226,27 @@ class WorkerPool:
             log.warning("worker %s answers but its registry entry expired (its Redis link is down?)",
                         engine.address)
 
-    def _rebalance(self, share: int, starving: bool, live: set[str]) -> None:
-        """Hand the least loaded worker back, one per pass: when over the fair share, once its
-        requests finish; when another scheduler holds requests but no worker at all (its worker
-        died: the dead worker may still count in the share until its registry entry expires) and
-        this one has two or more, at once (its requests resume on our other workers). Only workers in the
-        registry (``live`` ids) count: one whose entry expired is being probed, not rebalanced."""
-        active = [e for e in self.engines.values() if not e.releasing and e.connected and e.worker_id in live]
-        urgent = starving and len(active) >= 2
-        if len(active) <= share and not urgent:
+    def _rebalance(self, share: int, live: set[str]) -> None:
+        """Over the fair share, hand the least loaded worker back, one per pass, once its requests
+        finish (at once when it has none). Only workers in the registry (``live`` ids) count: one
+        whose entry expired is being probed, not rebalanced. A worker being handed over is kept
+        when it is the last one connected (the others died meanwhile): better drive it than strand
+        the requests that wait here."""
+        connected = [e for e in self.engines.values() if e.connected]
+        active = [e for e in connected if not e.releasing and e.worker_id in live]
+        if not active:
+            for engine in connected:
+                if engine.releasing:
+                    log.info("keeping worker %s (no other worker left)", engine.address)
+                    engine.releasing = False
+                    self._on_change()
+            return
+        if len(active) <= share:
             return
         engine = min(active, key=lambda e: e.load)
         engine.releasing = True
-        if urgent or engine.load == 0:
-            log.info("driving %d workers, fair share %d%s: releasing %s now (%d requests resume on the others)",
-                     len(active), share, ", another scheduler has none" if urgent else "", engine.address,
-                     engine.load)
+        if engine.load == 0:
+            log.info("driving %d workers, fair share %d: releasing %s now", len(active), share, engine.address)
             engine.mark_lost("released to another scheduler (rebalancing)")
         else:
             log.info("driving %d workers, fair share %d: releasing %s once its %d requests finish",
@@ -310,7 +347,7 @@ class WorkerPool:
             return
         engine = WorkerEngine(client, description, core, self._queue,
                               max_queued=s.max_queued_per_worker or config.max_num_seqs,
-                              on_finished=self._on_finished, on_lost=self._on_lost)
+                              on_finished=self._on_finished, on_lost=self._engine_lost)
         self.engines[address] = engine
         self._engine_tasks[address] = asyncio.create_task(engine.run(), name=f"engine {address}")
         self._side_tasks[address] = asyncio.create_task(
@@ -320,6 +357,10 @@ class WorkerPool:
                  "batch %d seqs / %d tokens", address, info.model, description.worker_id, info.num_blocks,
                  info.block_size, info.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
         self._on_change()
+
+    def _engine_lost(self, engine: WorkerEngine, handed: list[tuple[Request, str]]) -> None:
+        self._on_lost(engine, handed)
+        self._wake.set()  # reap it and, if no worker is left here, hand the requests back now
 
     def _on_worker_health(self, engine: WorkerEngine, serving: bool) -> None:
         if engine.accepting != serving and engine.connected:

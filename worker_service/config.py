@@ -35,8 +35,9 @@ class ModelRunnerConfig:
     """What a worker needs to load a model and size its KV cache and persistent batch.
 
     KV-cache size, first match wins: ``num_blocks`` (exact, incl. the null block) →
-    ``kv_cache_memory`` (bytes) → on CUDA ``gpu_memory_fraction`` of the memory free after loading
-    the weights → on CPU ``DEFAULT_CPU_KV_CACHE_MEMORY``. Never more blocks than ``max_num_seqs``
+    ``kv_cache_memory`` (bytes) → on CUDA the memory free after loading the weights minus a headroom
+    of ``1 - gpu_memory_fraction`` of the device's total memory and an activation reserve
+    (``worker_service.kv_cache.cuda_kv_budget``) → on CPU ``DEFAULT_CPU_KV_CACHE_MEMORY``. Never more blocks than ``max_num_seqs``
     full-length sequences can use.
     """
 

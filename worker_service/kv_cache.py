@@ -32,8 +32,9 @@ def determine_num_blocks(
     if config.kv_cache_memory is not None:
         budget = parse_memory(config.kv_cache_memory)
     elif device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.gpu_memory_fraction) - _activation_reserve(config, cfg, dtype)
+        torch.cuda.empty_cache()  # blocks torch holds but no tensor uses (e.g. from loading) are free too
+        free, total = torch.cuda.mem_get_info(device)
+        budget = cuda_kv_budget(free, total, config.gpu_memory_fraction, _activation_reserve(config, cfg, dtype))
     else:
         budget = parse_memory(ModelRunnerConfig.DEFAULT_CPU_KV_CACHE_MEMORY)
     num_blocks = min(budget // per_block, useful)
@@ -43,6 +44,19 @@ def determine_num_blocks(
             "at least 2 (the null block and one more) are needed"
         )
     return int(num_blocks)
+
+
+def cuda_kv_budget(free: int, total: int, gpu_memory_fraction: float, activation_reserve: int) -> int:
+    """Bytes the KV cache may take on a CUDA device, from the memory ``free`` after the weights loaded.
+
+    The stated headroom: ``(1 - gpu_memory_fraction) * total`` stays free for everything outside
+    this worker's control (other processes, the CUDA context's and allocators' growth,
+    fragmentation), and ``activation_reserve`` for one forward pass's transient tensors. The rest of
+    what is free now is the budget. It is ``<= 0`` when the device is already fuller than that;
+    the caller turns a budget too small for two blocks into an error.
+    """
+    headroom = round((1.0 - gpu_memory_fraction) * total)
+    return free - headroom - activation_reserve
 
 
 def _activation_reserve(config: ModelRunnerConfig, cfg: DecoderConfig, dtype: torch.dtype) -> int:

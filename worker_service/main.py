@@ -170,7 +170,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
              help="KV-cache budget such as 2GiB (default: a fraction of free GPU memory, 1GiB on CPU)")
     add_flag(parser, env, "num-blocks", type=int, default=0, help="exact KV blocks incl. the null block (0: from memory)")
     add_flag(parser, env, "gpu-memory-fraction", type=float, default=0.9,
-             help="share of free GPU memory the KV cache may take")
+             help="share of the GPU's total memory this worker may hold; the rest stays free as headroom")
     add_flag(parser, env, "attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
              help="paged-attention implementation: " + "; ".join(f"{k} = {v}" for k, v in ATTENTION_BACKENDS.items()))
     add_flag(parser, env, "step-delay-s", type=float, default=0.0,

@@ -233,6 +233,14 @@ class ModelRunner:
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """One host→device copy (a zero-copy view on the CPU)."""
+    """One host→device copy (a zero-copy view on the CPU).
+
+    Elsewhere the array is first copied into pinned (page-locked) host memory, so the device copy
+    is a true asynchronous DMA on the current stream, ordered before the kernels that read it;
+    torch's caching host allocator keeps the pinned block from reuse until that copy completes,
+    and the numpy array may change at once (the pinned copy is what travels).
+    """
     tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

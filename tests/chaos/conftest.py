@@ -53,31 +53,63 @@ async def wait_for_async(condition, timeout_s: float, what: str, interval_s: flo
         await asyncio.sleep(interval_s)
 
 
-@pytest.fixture(scope="module")
-def chaos_stack(tiny_model_dir, tmp_path_factory):
-    """Redis (AOF on) + 3 workers + 2 schedulers (finding workers in the registry, a fair share
-    each) + 2 gateways, as processes."""
+def start_cluster(workdir, model_dir: str, *, num_workers: int, num_schedulers: int,
+                  num_gateways: int) -> LocalCluster:
+    """Redis (AOF on) + workers + schedulers (finding workers in the registry, a fair share each) +
+    gateways, as processes, all SERVING; on failure the cluster is stopped and its logs printed."""
     redis_server_binary()  # skips when there is none
-    cluster = LocalCluster(tmp_path_factory.mktemp("chaos"), key_prefix=PREFIX, env={"OMP_NUM_THREADS": "1"})
+    cluster = LocalCluster(workdir, key_prefix=PREFIX, env={"OMP_NUM_THREADS": "1"})
     try:
         cluster.start_redis()
-        workers = [start_worker(cluster, tiny_model_dir, f"worker-{i}") for i in range(3)]
-        schedulers = [start_scheduler(cluster, f"scheduler-{i}") for i in range(2)]
-        gateways = [start_gateway(cluster, tiny_model_dir, f"gateway-{i}") for i in range(2)]
+        workers = [start_worker(cluster, model_dir, f"worker-{i}") for i in range(num_workers)]
+        schedulers = [start_scheduler(cluster, f"scheduler-{i}") for i in range(num_schedulers)]
+        gateways = [start_gateway(cluster, model_dir, f"gateway-{i}") for i in range(num_gateways)]
         cluster.wait_serving(*workers, *schedulers, *gateways, timeout_s=120)
-        yield cluster
     except BaseException:
         print(cluster.logs())
+        cluster.stop()
         raise
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def chaos_stack(tiny_model_dir, tmp_path_factory):
+    """3 workers + 2 schedulers + 2 gateways for the module (each test breaks one more piece)."""
+    cluster = start_cluster(tmp_path_factory.mktemp("chaos"), tiny_model_dir, num_workers=3, num_schedulers=2,
+                            num_gateways=2)
+    try:
+        yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def new_cluster(tiny_model_dir, tmp_path):
+    """A factory of clusters of the given shape for one test, stopped after it."""
+    clusters: list[LocalCluster] = []
+
+    def make(*, num_workers: int, num_schedulers: int, num_gateways: int = 1) -> LocalCluster:
+        workdir = tmp_path / f"cluster-{len(clusters)}"
+        workdir.mkdir()
+        cluster = start_cluster(workdir, tiny_model_dir, num_workers=num_workers,
+                                num_schedulers=num_schedulers, num_gateways=num_gateways)
+        clusters.append(cluster)
+        return cluster
+
+    make.clusters = clusters
+    try:
+        yield make
+    finally:
+        for cluster in clusters:
+            cluster.stop()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.when == "call" and report.failed:
-        cluster = item.funcargs.get("chaos_stack")
-        if cluster is not None:  # the services' logs explain most chaos failures
-            report.sections.append(("service logs", cluster.logs()))
+        clusters = [item.funcargs.get("chaos_stack"), *getattr(item.funcargs.get("new_cluster"), "clusters", ())]
+        logs = "\n".join(c.logs() for c in clusters if c is not None)
+        if logs:  # the services' logs explain most chaos failures
+            report.sections.append(("service logs", logs))
     return report

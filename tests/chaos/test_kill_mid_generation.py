@@ -10,24 +10,23 @@ more piece of it and checks what survives.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 
 import pytest
 
 from pagedserve.admin import async_scheduler_stats
-from pagedserve.aio_client import AsyncClient
 from pagedserve.local_cluster import LocalCluster
 from servicekit.contract.sampling_params import SamplingParams
 
-from .conftest import wait_for_async
+from .streams import StreamLog, assert_surviving_pools_all_free, held_requests
+from .streams import assert_exactly_the_fault_free_outputs as assert_outputs
+from .streams import streams_with_a_fault as run_streams
 
 pytestmark = [pytest.mark.chaos, pytest.mark.service, pytest.mark.slow, pytest.mark.asyncio]
 
 NUM_STREAMS = 16
 MAX_TOKENS = 160
-TOKENS_BEFORE_KILL = 8
 PROMPTS = [f"Stream {i}: the lighthouse keeper counted the ships" for i in range(NUM_STREAMS)]
 
 
@@ -37,71 +36,12 @@ def expected(llm) -> list[list[int]]:
     return [o.token_ids for o in outputs]
 
 
-@dataclasses.dataclass
-class StreamLog:
-    indices: list[int] = dataclasses.field(default_factory=list)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-
-    def add(self, chunk) -> None:
-        self.indices.extend(range(chunk.first_index, chunk.first_index + len(chunk.token_ids)))
-        self.tokens.extend(chunk.token_ids)
-        self.finish_reason = chunk.finish_reason or self.finish_reason
-
-
 async def streams_with_a_fault(gateways: list[str], fault) -> list[StreamLog]:
-    """Run the 16 streams; once every one has some tokens and none has finished, ``await fault()``."""
-    logs = [StreamLog() for _ in PROMPTS]
-    async with AsyncClient(gateways, timeout=120) as client:
-        async def one(i: int) -> None:
-            async with client.stream(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True) as stream:
-                async for chunk in stream:
-                    logs[i].add(chunk)
-
-        tasks = [asyncio.create_task(one(i)) for i in range(NUM_STREAMS)]
-
-        async def all_started() -> bool:
-            for task in tasks:
-                if task.done():
-                    task.result()  # a stream that failed early fails the test with its error
-            return all(len(log.tokens) >= TOKENS_BEFORE_KILL for log in logs)
-
-        await wait_for_async(all_started, 60, f"every stream has {TOKENS_BEFORE_KILL} tokens")
-        assert not any(log.finish_reason for log in logs), "a stream finished before the kill"
-        await fault()
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
-    return logs
+    return await run_streams(gateways, PROMPTS, MAX_TOKENS, fault)
 
 
 def assert_exactly_the_fault_free_outputs(logs: list[StreamLog], expected: list[list[int]]) -> None:
-    for i, (log, want) in enumerate(zip(logs, expected)):
-        assert log.indices == list(range(MAX_TOKENS)), f"stream {i}: indices missing or repeated"
-        assert log.tokens == want, f"stream {i}: tokens differ from the run without faults"
-        assert log.finish_reason == "length"
-
-
-async def held_requests(stack: LocalCluster) -> dict[str, int]:
-    """Worker address -> requests its scheduler holds on it (running + waiting)."""
-    held: dict[str, int] = {}
-    for scheduler in stack.live("scheduler"):
-        for w in (await async_scheduler_stats(scheduler.address)).workers:
-            held[w.address] = w.num_running + w.num_waiting
-    return held
-
-
-async def assert_surviving_pools_all_free(stack: LocalCluster) -> None:
-    """Every live worker is driven by a live scheduler, and each one's block pool is all free."""
-    live_workers = {w.address for w in stack.live("worker")}
-
-    async def settled() -> bool:
-        seen = {}
-        for scheduler in stack.live("scheduler"):
-            for w in (await async_scheduler_stats(scheduler.address)).workers:
-                if w.connected:
-                    seen[w.address] = w
-        return set(seen) == live_workers and all(w.all_free for w in seen.values())
-
-    await wait_for_async(settled, 30, "every surviving worker is driven and its block pool is all free", 0.2)
+    assert_outputs(logs, expected, MAX_TOKENS)
 
 
 async def test_kill_a_worker_mid_generation(chaos_stack: LocalCluster, expected):

@@ -150,8 +150,24 @@ async def test_released_entries_are_taken_over_at_once(redis):
     draining = RedisQueue(redis, keys, "draining", output_ttl_s=60)
     other = RedisQueue(redis, keys, "other", output_ttl_s=60)
     await draining.pull(2, 10)
-    await draining.release(ids, idle_ms=10_000)
-    assert [c.entry.entry_id for c in await other.claim_idle(10_000, 10)] == ids
+    assert await draining.release(ids, idle_ms=10_000) == ids
+    claimed = await other.claim_idle(10_000, 10)
+    assert [c.entry.entry_id for c in claimed] == ids
+    assert [c.deliveries for c in claimed] == [1, 1]  # a hand-back is not a failed attempt: no retry counted
+
+
+async def test_release_leaves_entries_that_are_not_ours_any_more(redis):
+    keys = RedisKeys("release-theirs-test:")
+    ids = await admit_entries(redis, keys, 2)
+    stranded = RedisQueue(redis, keys, "stranded", output_ttl_s=60)
+    other = RedisQueue(redis, keys, "other", output_ttl_s=60)
+    await stranded.pull(2, 10)
+    await asyncio.sleep(0.15)
+    (taken,) = await other.claim_idle(100, 1)  # the other took the first over meanwhile
+    assert taken.entry.entry_id == ids[0] and taken.deliveries == 2
+    assert await stranded.release(ids, idle_ms=10_000) == ids[1:]
+    pending = await redis.xpending_range(keys.requests, SCHEDULER_GROUP, "-", "+", 10)
+    assert [(p["consumer"], p["times_delivered"]) for p in pending] == [(b"other", 2), (b"stranded", 0)]
 
 
 # -- what a request already delivered ------------------------------------------------------------------

@@ -31,15 +31,18 @@ async def poll(condition, timeout_s: float, what: str) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(prefix: str, redis_url: str, hf_tokenizer, model: str, *, schedulers: int = 1,
-                  workers: tuple[str, ...] = (), **scheduler_settings):
-    """Scheduler(s) finding workers in the registry (or driving ``workers``) and a gateway."""
+                  workers: tuple[str, ...] = (), workers_each: list[tuple[str, ...]] | None = None,
+                  **scheduler_settings):
+    """Scheduler(s) finding workers in the registry (or driving ``workers``, or scheduler i
+    driving ``workers_each[i]``) and a gateway."""
     from gateway_service.main import GatewayApp
     from gateway_service.settings import GatewaySettings
     from scheduler_service.service import SchedulerApp
     from scheduler_service.settings import SchedulerSettings
 
     apps = [SchedulerApp(SchedulerSettings(
-        redis_url=redis_url, key_prefix=prefix, port=0, workers=workers, poll_block_ms=200,
+        redis_url=redis_url, key_prefix=prefix, port=0, workers=workers_each[i] if workers_each else workers,
+        poll_block_ms=200,
         discovery_interval_s=0.1, consumer=f"{prefix}scheduler-{i}", **scheduler_settings))
         for i in range(schedulers)]
     for app in apps:
@@ -130,6 +133,39 @@ async def test_two_schedulers_share_the_request_stream_each_driving_its_own_work
     finally:
         await redis.aclose()
         for worker in workers:
+            await worker.drain(1)
+
+
+async def test_a_scheduler_whose_workers_are_gone_hands_its_requests_to_one_that_has_a_worker(
+        tiny_model_dir, hf_model, hf_tokenizer, redis_server):
+    """Two schedulers, each driving the worker it was given (``--workers``); the worker of the one
+    running requests stops at once (no grace). Its scheduler has no worker left and hands its
+    requests back to the group; the other claims them at its next pending pass and they finish."""
+    prefix = "static-handback:"
+    workers = [await start_worker(prefix, tiny_model_dir, hf_model, redis_server.url, step_delay_s=0.01)
+               for _ in range(2)]
+    live = list(workers)
+    try:
+        async with serving(prefix, redis_server.url, hf_tokenizer, tiny_model_dir, schedulers=2,
+                           workers_each=[(w.address,) for w in workers], reclaim_idle_s=2) as (apps, address):
+            for app in apps:
+                await app.wait_for_workers(1)
+            running = [lambda app=app: app.stats().workers[0].core.num_running for app in apps]
+            async with AsyncClient(address, timeout=60) as client:
+                tasks = [asyncio.create_task(client.generate(f"static {i}", max_tokens=64, ignore_eos=True))
+                         for i in range(8)]
+                await poll(lambda: sum(r() for r in running) == 8, 10, "every request runs")
+                victim = max(range(2), key=lambda i: running[i]())
+                held = running[victim]()
+                await workers[victim].drain(0)
+                live.remove(workers[victim])
+                completions = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            survivor = apps[1 - victim].stats()
+        assert [len(c.token_ids) for c in completions] == [64] * 8
+        assert all(c.finish_reason == "length" for c in completions)
+        assert survivor.num_reclaimed >= held  # taken over from the group, not left stranded
+    finally:
+        for worker in live:
             await worker.drain(1)
 
 

@@ -71,7 +71,8 @@ def hf_greedy(hf_model: Any, prompt: list[int], num_tokens: int) -> list[int]:
     """transformers ``generate(do_sample=False)`` of exactly ``num_tokens`` tokens (EOS masked until
     then, like our ``min_tokens``)."""
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        ids = torch.tensor([prompt], device=hf_model.device)
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
                                 max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
     return out[0, len(prompt):].tolist()
 

@@ -1,0 +1,145 @@
+"""kill -9 workers in clusters of several shapes while greedy streams are mid-generation: as long
+as one live worker can serve the model, every admitted stream completes — each output index once,
+the tokens of a run without faults — whichever scheduler held it. A scheduler left without a
+worker hands its requests back to the consumer group when another scheduler drives one (which
+claims them at its next pending pass), or keeps them until a worker joins when none does.
+
+Each test starts its own cluster (1 gateway, the schedulers and workers of its topology).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedserve.local_cluster import LocalCluster
+from servicekit.contract.sampling_params import SamplingParams
+
+from .conftest import start_worker, wait_for_async
+from .streams import (
+    assert_exactly_the_fault_free_outputs,
+    assert_surviving_pools_all_free,
+    driven_workers,
+    held_requests,
+    streams_with_a_fault,
+)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.service, pytest.mark.slow, pytest.mark.asyncio]
+
+NUM_STREAMS = 12
+MAX_TOKENS = 64
+PROMPTS = [f"Request {i}: the river carried the boats past the mill" for i in range(NUM_STREAMS)]
+FINISH_WITHIN_S = 60  # far beyond the bounded wait (README fault table); today's stranded ones never finish
+REJOIN_AFTER_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> list[list[int]]:
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outputs]
+
+
+async def settle(stack: LocalCluster, shares: list[int]) -> dict[str, list[str]]:
+    """Wait until the schedulers drive ``shares`` workers (in any order); scheduler -> workers."""
+    driven: dict[str, list[str]] = {}
+
+    async def settled() -> bool:
+        nonlocal driven
+        driven = await driven_workers(stack)
+        return sorted(len(w) for w in driven.values()) == sorted(shares)
+
+    await wait_for_async(settled, 60, f"the schedulers drive {shares} workers", 0.2)
+    return driven
+
+
+def worker_at(stack: LocalCluster, address: str):
+    return next(w for w in stack.live("worker") if w.address == address)
+
+
+async def run_and_check(stack: LocalCluster, expected, fault) -> None:
+    gateways = [g.address for g in stack.live("gateway")]
+    logs = await streams_with_a_fault(gateways, PROMPTS, MAX_TOKENS, fault, finish_within_s=FINISH_WITHIN_S)
+    assert_exactly_the_fault_free_outputs(logs, expected, MAX_TOKENS)
+
+
+async def test_2_workers_2_schedulers_kill_one_worker(new_cluster, expected):
+    """One worker each: the scheduler whose worker dies has none left (fewer workers than
+    schedulers), so its requests go back to the group and finish on the other's worker."""
+    stack = new_cluster(num_workers=2, num_schedulers=2)
+    await settle(stack, [1, 1])
+
+    async def kill_busiest_worker() -> None:
+        held = await held_requests(stack)
+        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
+        assert held.get(victim.address, 0) > 0
+        stack.kill(victim)
+
+    await run_and_check(stack, expected, kill_busiest_worker)
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_1_worker_1_scheduler_worker_dies_and_another_joins(new_cluster, expected, tiny_model_dir):
+    """No worker at all for 5 s: the streams wait (none fails), then finish on the newcomer."""
+    stack = new_cluster(num_workers=1, num_schedulers=1)
+    await settle(stack, [1])
+
+    async def kill_then_rejoin() -> None:
+        stack.kill(stack.live("worker")[0])
+        await asyncio.sleep(REJOIN_AFTER_S)
+        newcomer = start_worker(stack, tiny_model_dir, "worker-rejoined")
+        await asyncio.to_thread(stack.wait_serving, newcomer, timeout_s=120)
+
+    await run_and_check(stack, expected, kill_then_rejoin)
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_3_workers_2_schedulers_kill_the_lone_worker(new_cluster, expected):
+    """Kill the only worker of the scheduler that drives one: its requests go back to the group at
+    once; the fair share (ceil(2 / 2) = 1) then hands it one of the other's two workers."""
+    stack = new_cluster(num_workers=3, num_schedulers=2)
+    driven = await settle(stack, [1, 2])
+    lone = next(addresses[0] for addresses in driven.values() if len(addresses) == 1)
+
+    async def kill_lone_worker() -> None:
+        held = await held_requests(stack)
+        assert held.get(lone, 0) > 0, f"the lone worker holds no request ({held})"
+        stack.kill(worker_at(stack, lone))
+
+    await run_and_check(stack, expected, kill_lone_worker)
+    await assert_surviving_pools_all_free(stack)
+    await settle(stack, [1, 1])  # the fair share holds again: one worker each
+
+
+async def test_kill_both_workers_of_one_scheduler(new_cluster, expected):
+    """3 workers, 2 schedulers: kill the two workers of one scheduler while the third lives."""
+    stack = new_cluster(num_workers=3, num_schedulers=2)
+    driven = await settle(stack, [1, 2])
+    pair = next(addresses for addresses in driven.values() if len(addresses) == 2)
+
+    async def kill_pair() -> None:
+        held = await held_requests(stack)
+        assert sum(held.get(a, 0) for a in pair) > 0, f"the pair holds no request ({held})"
+        for address in pair:
+            stack.kill(worker_at(stack, address))
+
+    await run_and_check(stack, expected, kill_pair)
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_2_workers_2_schedulers_both_die_and_one_joins(new_cluster, expected, tiny_model_dir):
+    """No worker anywhere for 5 s, two schedulers holding requests (one may have handed its
+    requests back on a stale view of the other): every stream waits, then finishes on the
+    newcomer, whichever scheduler drives it."""
+    stack = new_cluster(num_workers=2, num_schedulers=2)
+    await settle(stack, [1, 1])
+
+    async def kill_both_then_rejoin() -> None:
+        for worker in stack.live("worker"):
+            stack.kill(worker)
+        await asyncio.sleep(REJOIN_AFTER_S)
+        newcomer = start_worker(stack, tiny_model_dir, "worker-rejoined")
+        await asyncio.to_thread(stack.wait_serving, newcomer, timeout_s=120)
+
+    await run_and_check(stack, expected, kill_both_then_rejoin)
+    await assert_surviving_pools_all_free(stack)
