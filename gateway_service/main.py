@@ -12,9 +12,9 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from servicekit.flags import add_common_flags, add_flag
+from servicekit.flags import add_setting_flags, settings_kwargs
 from servicekit.serving import service_main
-from gateway_service.settings import DEFAULT_PORT, GatewaySettings
+from gateway_service.settings import GatewaySettings
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -89,34 +89,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                     "{prefix}out:{request_id} as text, applies stop strings, aborts requests whose client "
                     "left. Learns the model's limits from the workers registered in Redis. SIGTERM: report "
                     "NOT_SERVING, refuse new calls, let live streams finish within --drain-grace-s.")
-    add_flag(parser, env, "model", default="smollm2-135m",
-             help="the served model: its tokenizer is loaded from here, and it must be the name the workers "
-                  "were started with")
-    add_flag(parser, env, "host", default="127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
-    add_flag(parser, env, "port", type=int, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
-    add_common_flags(parser, env)
-    add_flag(parser, env, "max-queued-requests", type=int, default=1024,
-             help="requests waiting in Redis beyond which Generate answers RESOURCE_EXHAUSTED (0: no limit)")
-    add_flag(parser, env, "output-ttl-s", type=int, default=600,
-             help="output streams expire this many seconds after their last entry (resume window)")
-    add_flag(parser, env, "registry-refresh-s", type=float, default=2.0, help="worker registry re-read period")
-    add_flag(parser, env, "gateway-id", default="", help="names this gateway's wake stream (default: random)")
-    add_flag(parser, env, "redis-outage-s", type=float, default=10.0,
-             help="live streams fail with UNAVAILABLE (the SDK resumes them) after this long without Redis")
-    add_flag(parser, env, "prompt-bytes-per-token", type=int,
-             default=GatewaySettings.__dataclass_fields__["prompt_bytes_per_token"].default,
-             help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it "
-                  "is tokenized")
+    add_setting_flags(parser, env, GatewaySettings)
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
-    return GatewaySettings(
-        model=args.model, host=args.host, port=args.port, redis_url=args.redis_url, key_prefix=args.key_prefix,
-        max_queued_requests=args.max_queued_requests, output_ttl_s=args.output_ttl_s,
-        registry_refresh_s=args.registry_refresh_s, drain_grace_s=args.drain_grace_s,
-        redis_outage_s=args.redis_outage_s, prompt_bytes_per_token=args.prompt_bytes_per_token, **extra)
+    return GatewaySettings(**settings_kwargs(GatewaySettings, args))
 
 
 def make_app(settings: GatewaySettings) -> GatewayApp:

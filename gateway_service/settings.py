@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit.redis_keys import RedisKeys
 
 DEFAULT_PORT = 50051
@@ -13,22 +14,29 @@ DEFAULT_PORT = 50051
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    model: str = "smollm2-135m"  # tokenizer source; must be the name the workers were started with
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT  # 0 picks a free port
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "ps:"
-    max_queued_requests: int = 1024  # requests waiting in Redis before RESOURCE_EXHAUSTED; 0 = no limit
-    output_ttl_s: int = 600  # output streams live this long after their last entry (resume window)
-    registry_refresh_s: float = 2.0
-    read_block_ms: int = 1000  # longest blocking XREAD of the fan-out loop
-    redis_outage_s: float = 10.0  # streams fail with UNAVAILABLE after this long without Redis
-    gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # names the wake stream
-    drain_grace_s: float = 30.0
-    # The most UTF-8 bytes one token covers, as far as sizing goes: text over max_model_len times
-    # this is refused before it is tokenized. 16 leaves room for long tokens (runs of spaces in
-    # code); English averages ~4 bytes per token.
-    prompt_bytes_per_token: int = 16
+    """Every knob of a gateway; each field declared with ``setting`` is also a flag and an env var."""
+
+    model: str = setting("smollm2-135m", help="the served model: its tokenizer is loaded from here, and it must be "
+                                              "the name the workers were started with")
+    host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
+    port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    redis_url: str = redis_url_setting()
+    key_prefix: str = key_prefix_setting()
+    max_queued_requests: int = setting(
+        1024, help="requests waiting in Redis beyond which Generate answers RESOURCE_EXHAUSTED (0: no limit)")
+    output_ttl_s: int = setting(600, help="output streams expire this many seconds after their last entry "
+                                          "(resume window)")
+    registry_refresh_s: float = setting(2.0, help="worker registry re-read period")
+    read_block_ms: int = setting(1000, help="longest blocking XREAD of the output fan-out loop")
+    redis_outage_s: float = setting(10.0, help="live streams fail with UNAVAILABLE (the SDK resumes them) after "
+                                               "this long without Redis")
+    gateway_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="names this gateway's wake stream")
+    drain_grace_s: float = drain_grace_setting()
+    # The most UTF-8 bytes one token covers, as far as sizing goes: 16 leaves room for long tokens
+    # (runs of spaces in code); English averages ~4 bytes per token.
+    prompt_bytes_per_token: int = setting(
+        16, help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it is "
+                 "tokenized")
 
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)

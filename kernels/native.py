@@ -34,6 +34,18 @@ LIBS = ("-lm",)
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
+# A worker's settings (--native-kernels, --kernel-cache), when it gave them: they win over the
+# environment, which is what `python -m kernels.native` (make native) and in-process users read.
+_configured: dict[str, object] = {}
+
+
+def configure(*, enabled: bool | None = None, cache_dir: str | None = None) -> None:
+    """Take a worker's settings (``None`` leaves the environment's say)."""
+    for key, value in (("enabled", enabled), ("cache_dir", cache_dir)):
+        if value is None:
+            _configured.pop(key, None)
+        else:
+            _configured[key] = value
 
 
 class NativeBuildError(RuntimeError):
@@ -41,7 +53,7 @@ class NativeBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get("PAGEDSERVE_KERNEL_CACHE")
+    configured = _configured.get("cache_dir") or os.environ.get("PAGEDSERVE_KERNEL_CACHE")
     if configured:
         return Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -49,6 +61,8 @@ def cache_dir() -> Path:
 
 
 def enabled() -> bool:
+    if "enabled" in _configured:
+        return bool(_configured["enabled"])
     return os.environ.get("PAGEDSERVE_NATIVE_KERNELS", "1").lower() not in ("0", "false", "no", "off")
 
 

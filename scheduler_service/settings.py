@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit.redis_keys import RedisKeys
 from scheduler_service.core.config import POLICIES
 
@@ -20,29 +21,38 @@ def default_consumer() -> str:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "ps:"
-    workers: tuple[str, ...] = ()  # worker addresses; empty = find them in the Redis registry
-    host: str = "127.0.0.1"  # the admin (stats + health) server
-    port: int = DEFAULT_PORT
-    consumer: str = field(default_factory=default_consumer)  # name in the consumer group
+    """Every knob of a scheduler; each field declared with ``setting`` is also a flag and an env var."""
+
+    workers: tuple[str, ...] = setting(
+        (), help="comma-separated worker addresses host:port (empty: find workers in the Redis registry)")
+    host: str = setting("127.0.0.1", help="interface of the stats/health server")
+    port: int = setting(DEFAULT_PORT, help="port of the stats/health server (0 = any)")
+    consumer: str = setting(default_factory=default_consumer, help="consumer name in the Redis group")
+    redis_url: str = redis_url_setting()
+    key_prefix: str = key_prefix_setting()
+    drain_grace_s: float = drain_grace_setting()
     # Batching, per worker (0 = the worker's own limit; never more than it).
-    max_num_seqs: int = 0
-    max_num_batched_tokens: int = 0
-    long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"
-    # Requests pulled from Redis per worker beyond its running batch (0 = as many as max_num_seqs).
-    max_queued_per_worker: int = 0
-    output_ttl_s: int = 600  # output streams expire this long after their last entry
-    discovery_interval_s: float = 2.0  # registry scan / reconnect period
-    poll_block_ms: int = 1000  # longest blocking Redis read (bounds shutdown latency)
-    drain_grace_s: float = 30.0
+    max_num_seqs: int = setting(0, help="running requests per worker (0: the worker's batch size; never more)")
+    max_num_batched_tokens: int = setting(0, help="token budget of one step (0: the worker's limit; never more)")
+    long_prefill_token_threshold: int = setting(0, help="cap of one prefill chunk (0: off)")
+    enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
+    enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
+    policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
+    max_queued_per_worker: int = setting(
+        0, help="requests pulled per worker beyond its batch (0: as many as max-num-seqs)")
+    output_ttl_s: int = setting(600, help="output streams expire this many seconds after their last entry "
+                                          "(resume window)")
+    discovery_interval_s: float = setting(2.0, help="registry scan / reconnect period")
+    poll_block_ms: int = setting(1000, help="longest blocking Redis read (bounds shutdown latency)")
     # Fault tolerance (README "Scaling and fault tolerance").
-    lease_ttl_s: float = 10.0  # worker leases and this scheduler's registry entry; renewed every third
-    reclaim_idle_s: float = 10.0  # a request entry idle this long belongs to a dead scheduler: take it over
-    max_retries: int = 3  # takeovers of one request before it is dead-lettered
+    lease_ttl_s: float = setting(
+        10.0, help="lifetime of this scheduler's worker leases and registry entry (renewed every third): a dead "
+                   "scheduler's workers are free for others after at most this long")
+    reclaim_idle_s: float = setting(
+        10.0, help="a request entry not refreshed for this long belongs to a dead scheduler and is taken over "
+                   "(XAUTOCLAIM); live schedulers refresh theirs every fifth of it")
+    max_retries: int = setting(3, help="takeovers of one request before it goes to the dead-letter stream "
+                                       "{prefix}dead")
 
     @property
     def reclaim_interval_s(self) -> float:

@@ -1,18 +1,24 @@
-"""Flags that fall back to ``PAGEDSERVE_*`` environment variables (STYLE.md habit 4).
+"""Settings → flags: each service's frozen settings dataclass is the one source of every knob.
 
-Each service's ``main()`` builds an ``argparse`` parser with :func:`add_flag`, parses
-``argv`` against the environment it was handed, and turns the result into its frozen settings
-dataclass. Precedence: command-line flag > environment variable > built-in default. ``--help``
-shows each flag's variable and effective default.
+A field declared with :func:`setting` carries its help text; :func:`add_setting_flags` turns
+each such field into ``--field-name`` (type, default and choices from the field) that falls back to
+the ``PAGEDSERVE_FIELD_NAME`` environment variable, and :func:`settings_kwargs` reads the parsed
+values back into the dataclass's keyword arguments. Precedence: command-line flag > environment
+variable > the field's default. ``--help`` shows each flag's variable and effective default
+(STYLE.md habits 4 and 15).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from servicekit.redis_keys import DEFAULT_PREFIX
+
 ENV_PREFIX = "PAGEDSERVE_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def env_var(flag: str) -> str:
@@ -29,9 +35,39 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def parse_list(text: str) -> tuple[str, ...]:
+    """``"a, b,c"`` -> ``("a", "b", "c")`` (empty items dropped)."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+            choices: Any = None, type: Callable[[str], Any] | None = None) -> Any:
+    """A settings field that is also a flag. ``type`` parses the flag's text (default: from the
+    default's type; ``parse_list`` for tuples); a field with a ``default_factory`` (a generated id)
+    takes the factory's value when its flag is left empty."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _flag_type(field: dataclasses.Field) -> Callable[[str], Any]:
+    explicit = field.metadata.get("type")
+    if explicit is not None:
+        return explicit
+    default = field.default
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, tuple):
+        return parse_list
+    if isinstance(default, (int, float)):
+        return type(default)
+    return str
+
+
 def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str, *,
              type: Callable[[str], Any] = str, default: Any = None, help: str,
-             choices: list[str] | None = None) -> None:
+             choices: Any = None) -> None:
     """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``."""
     var = env_var(flag)
     if var in env:
@@ -40,21 +76,58 @@ def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
             default = parse_bool(raw) if type is bool else type(raw)
         except ValueError as exc:
             parser.error(f"environment variable {var}={raw!r}: {exc}")
-    text = f"{help} [env {var}; default: %(default)s]"
+    shown = ",".join(default) if isinstance(default, tuple) else default
+    text = f"{help} [env {var}; default: {'' if shown is None else shown}]".replace("%", "%%")
     if type is bool:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=default, help=text)
     else:
-        parser.add_argument(f"--{flag}", type=type, default=default, help=text, choices=choices)
+        parser.add_argument(f"--{flag}", type=type, default=default, help=text,
+                            choices=list(choices) if choices is not None else None)
 
 
-def add_common_flags(parser: argparse.ArgumentParser, env: Mapping[str, str], *,
-                     redis_required: bool = True) -> None:
-    """Flags every service shares: logging, Redis and drain grace."""
-    add_flag(parser, env, "log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+def setting_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a settings dataclass that are flags (declared with :func:`setting`)."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, env: Mapping[str, str], cls: type) -> None:
+    """One flag per :func:`setting` field of ``cls``, in declaration order."""
+    for f in setting_fields(cls):
+        generated = f.default is dataclasses.MISSING
+        add_flag(parser, env, f.name.replace("_", "-"), type=_flag_type(f),
+                 default="" if generated else f.default,
+                 help=f.metadata["help"] + (" (empty: generated)" if generated else ""),
+                 choices=f.metadata["choices"])
+
+
+def settings_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of ``cls`` from parsed flags (generated fields left empty are omitted)."""
+    kwargs = {}
+    for f in setting_fields(cls):
+        value = getattr(args, f.name)
+        if f.default is dataclasses.MISSING and value in ("", None):
+            continue
+        if f.default is None and value == "":
+            value = None  # an empty flag or env var means "not set" for an optional setting
+        kwargs[f.name] = value
+    return kwargs
+
+
+# -- the settings every service shares ------------------------------------------------------------------
+
+
+def redis_url_setting(default: str = "redis://127.0.0.1:6379/0") -> Any:
+    return setting(default, help="Redis URL" + ("" if default else " (empty: do not register in Redis)"))
+
+
+def key_prefix_setting() -> Any:
+    return setting(DEFAULT_PREFIX, help="prefix of every Redis key, so two stacks can share one Redis")
+
+
+def drain_grace_setting() -> Any:
+    return setting(30.0, help="on SIGTERM, seconds in-flight work may take to finish before the server stops")
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    add_flag(parser, env, "log-level", default="INFO", choices=LOG_LEVELS,
              help="log level (prompt text is only ever logged at DEBUG)")
-    add_flag(parser, env, "redis-url", default="redis://127.0.0.1:6379/0" if redis_required else "",
-             help="Redis URL" + ("" if redis_required else " (empty: do not register in Redis)"))
-    add_flag(parser, env, "key-prefix", default="ps:",
-             help="prefix of every Redis key, so two stacks can share one Redis")
-    add_flag(parser, env, "drain-grace-s", type=float, default=30.0,
-             help="on SIGTERM, seconds in-flight work may take to finish before the server stops")

@@ -25,21 +25,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
+from servicekit.flags import add_log_level_flag
+from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.status import status_of
 
 log = logging.getLogger(__name__)
 
-# Large prompts travel whole in one message (a NewRequest carries every prompt token id).
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Notice a dead peer on a long-lived idle stream (Worker.Step) within ~30 s.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
@@ -240,7 +231,9 @@ def service_main(name: str, build_parser: Callable[[Mapping[str, str]], argparse
     value exits 2 with the message), then start the app, serve until SIGTERM/SIGINT and drain it
     within the settings' ``drain_grace_s``."""
     env = os.environ if env is None else env
-    args = build_parser(env).parse_args(argv)
+    parser = build_parser(env)
+    add_log_level_flag(parser, env)
+    args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
         settings = settings_from_args(args)

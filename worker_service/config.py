@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from kernels import BACKENDS as ATTENTION_BACKENDS
+from servicekit.flags import setting
 from servicekit.contract.errors import InvalidArgumentError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -41,17 +42,30 @@ class ModelRunnerConfig:
     full-length sequences can use.
     """
 
-    model: str  # short name, HF folder, or .gguf path (servicekit.model_registry)
-    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's half type (else bfloat16) on CUDA
-    device: str | None = None  # None = cuda when available, else cpu
-    block_size: int = 16
-    max_num_seqs: int = 128  # rows of the persistent batch
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    kv_cache_memory: str | int | None = None
-    gpu_memory_fraction: float = 0.9
-    num_blocks: int | None = None
-    attention_backend: str = "auto"  # a name of kernels.BACKENDS
+    model: str = setting("smollm2-135m", help="short name (smollm2-135m), Hugging Face folder, or .gguf file")
+    dtype: str = setting("auto", choices=DTYPES,
+                         help="weights / KV dtype (auto: float32 on CPU, the checkpoint's half type on CUDA)")
+    device: str | None = setting(None, type=str, help="torch device (default: cuda if available, else cpu)")
+    block_size: int = setting(16, help="tokens per KV-cache block")
+    max_num_seqs: int = setting(128, help="rows of the persistent batch")
+    max_num_batched_tokens: int = setting(2048, help="tokens per step at most")
+    max_model_len: int | None = setting(None, type=int,
+                                        help="prompt + output tokens at most (default: the model's "
+                                             "max_position_embeddings)")
+    kv_cache_memory: str | int | None = setting(
+        None, type=str, help="KV-cache budget such as 2GiB (default: from free GPU memory, 1GiB on CPU)")
+    gpu_memory_fraction: float = setting(
+        0.9, help="share of the GPU's total memory this worker may hold; the rest stays free as headroom")
+    num_blocks: int | None = setting(None, type=int, help="exact KV blocks incl. the null block (default: from "
+                                                          "memory)")
+    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="paged-attention implementation: " + "; ".join(
+        f"{name} = {what}" for name, what in ATTENTION_BACKENDS.items()))
+    # CPU tuning (no effect on CUDA)
+    native_kernels: bool = setting(True, help="build and use the C decode-attention kernel (kernels/csrc/) where a "
+                                              "C compiler is present")
+    kernel_cache: str = setting("", help="where built C kernels are cached (default: ~/.cache/pagedserve/kernels)")
+    tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds so per-step activations reuse warm "
+                                           "memory (process-wide)")
 
     DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 

@@ -17,7 +17,6 @@ import ctypes.util
 import logging
 import math
 import mmap
-import os
 import warnings
 
 import torch
@@ -58,14 +57,12 @@ _tuned = False
 def tune_malloc() -> bool:
     """Serve allocations up to 32 MiB from the heap and keep up to 1 GiB of freed heap: a step's
     activations then reuse warm pages instead of faulting fresh ones in (decode steps ran ~8%
-    faster here). Process-wide and glibc-only; once per process; ``PAGEDSERVE_TUNE_MALLOC=0`` skips
-    it. Returns whether the settings are in effect.
+    faster here). Process-wide and glibc-only; once per process (a worker's ``--no-tune-malloc`` skips
+    the call). Returns whether the settings are in effect.
     """
     global _tuned
     if _tuned:
         return True
-    if os.environ.get("PAGEDSERVE_TUNE_MALLOC", "1").lower() in ("0", "false", "no", "off"):
-        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

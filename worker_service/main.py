@@ -15,13 +15,21 @@ import socket
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from servicekit.flags import add_common_flags, add_flag
+from servicekit.flags import (
+    add_setting_flags,
+    drain_grace_setting,
+    key_prefix_setting,
+    redis_url_setting,
+    setting,
+    settings_kwargs,
+)
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat, WorkerRecord
 from servicekit.serving import service_main
-from worker_service.config import ATTENTION_BACKENDS, DTYPES, ModelRunnerConfig
+from worker_service.config import ModelRunnerConfig
+from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -30,18 +38,26 @@ DEFAULT_PORT = 50061
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
+    """Every knob of a worker (the model runner's in ``runner``); each field declared with
+    ``setting`` is also a flag and an env var."""
+
     runner: ModelRunnerConfig  # what to load and how big the KV cache and batch are
-    host: str = "127.0.0.1"  # interface to listen on
-    port: int = DEFAULT_PORT  # 0 picks a free port
-    advertise_address: str = ""  # host:port schedulers dial; "" = derived from host and port
-    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])  # registry key suffix
-    redis_url: str = ""  # "" = do not register
-    key_prefix: str = "ps:"
-    heartbeat_ttl_s: float = 10.0  # registry entry lifetime; refreshed every third of it
-    drain_grace_s: float = 30.0
-    step_delay_s: float = 0.0  # testing: sleep after each step (throttles generation for chaos tests)
+    host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
+    port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    advertise_address: str = setting("", help="host:port schedulers should dial (default: derived from "
+                                              "--host/--port)")
+    worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
+    redis_url: str = redis_url_setting("")
+    key_prefix: str = key_prefix_setting()
+    heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
+    drain_grace_s: float = drain_grace_setting()
+    step_delay_s: float = setting(0.0, help="testing only: sleep this long after every step (throttles "
+                                            "generation so chaos tests can kill processes mid-generation)")
     # SIMULATION (benchmarks/scale.py only): (a, b) replaces the model by a sleep of a + b x tokens.
-    simulate_step_latency: tuple[float, float] | None = None
+    simulate_step_latency: tuple[float, float] | None = setting(
+        None, type=parse_step_latency, help="SIMULATION for control-plane benchmarks only: 'a,b' runs no model; each "
+                                            "step sleeps a + b x scheduled tokens seconds and returns made-up "
+                                            "deterministic tokens (default: off)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -148,59 +164,16 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                     "reflection. A scheduler drives it; with --redis-url it registers itself so schedulers "
                     "and gateways find it. SIGTERM: leave the registry, report NOT_SERVING, finish held "
                     "requests within --drain-grace-s, exit.")
-    add_flag(parser, env, "model", default="smollm2-135m",
-             help="short name (smollm2-135m), Hugging Face folder, or .gguf file")
-    add_flag(parser, env, "host", default="127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
-    add_flag(parser, env, "port", type=int, default=DEFAULT_PORT, help="port to listen on (0 = any free port)")
-    add_flag(parser, env, "advertise-address", default="",
-             help="host:port schedulers should dial (default: derived from --host/--port)")
-    add_flag(parser, env, "worker-id", default="", help="registry id (default: random)")
-    add_flag(parser, env, "heartbeat-ttl-s", type=float, default=10.0,
-             help="registry entry lifetime in seconds; refreshed every third of it")
-    add_common_flags(parser, env, redis_required=False)
-    add_flag(parser, env, "dtype", default="auto", choices=list(DTYPES),
-             help="weights / KV dtype (auto: float32 on CPU, the checkpoint's half type on CUDA)")
-    add_flag(parser, env, "device", default="", help="torch device (default: cuda if available, else cpu)")
-    add_flag(parser, env, "block-size", type=int, default=16, help="tokens per KV-cache block")
-    add_flag(parser, env, "max-num-seqs", type=int, default=128, help="rows of the persistent batch")
-    add_flag(parser, env, "max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
-    add_flag(parser, env, "max-model-len", type=int, default=0,
-             help="prompt + output tokens at most (0: the model's max_position_embeddings)")
-    add_flag(parser, env, "kv-cache-memory", default="",
-             help="KV-cache budget such as 2GiB (default: a fraction of free GPU memory, 1GiB on CPU)")
-    add_flag(parser, env, "num-blocks", type=int, default=0, help="exact KV blocks incl. the null block (0: from memory)")
-    add_flag(parser, env, "gpu-memory-fraction", type=float, default=0.9,
-             help="share of the GPU's total memory this worker may hold; the rest stays free as headroom")
-    add_flag(parser, env, "attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-             help="paged-attention implementation: " + "; ".join(f"{k} = {v}" for k, v in ATTENTION_BACKENDS.items()))
-    add_flag(parser, env, "step-delay-s", type=float, default=0.0,
-             help="testing only: sleep this long after every step (throttles generation so chaos tests can kill "
-                  "processes mid-generation)")
-    add_flag(parser, env, "simulate-step-latency", default="",
-             help="SIMULATION for control-plane benchmarks only: 'a,b' runs no model; each step sleeps "
-                  "a + b x scheduled tokens seconds and returns made-up deterministic tokens (empty: off)")
+    add_setting_flags(parser, env, ModelRunnerConfig)
+    add_setting_flags(parser, env, WorkerSettings)
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    runner = ModelRunnerConfig(
-        model=args.model, dtype=args.dtype, device=args.device or None, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len or None, kv_cache_memory=args.kv_cache_memory or None,
-        num_blocks=args.num_blocks or None, gpu_memory_fraction=args.gpu_memory_fraction,
-        attention_backend=args.attention_backend)
-    extra = {"worker_id": args.worker_id} if args.worker_id else {}
-    simulate = None
-    if args.simulate_step_latency:
-        from worker_service.simulated_runner import parse_step_latency
-
-        simulate = parse_step_latency(args.simulate_step_latency)
-        if not args.worker_id:
-            extra["worker_id"] = "sim-" + uuid.uuid4().hex[:8]
-    return WorkerSettings(
-        runner=runner, host=args.host, port=args.port, advertise_address=args.advertise_address,
-        redis_url=args.redis_url, key_prefix=args.key_prefix, heartbeat_ttl_s=args.heartbeat_ttl_s,
-        drain_grace_s=args.drain_grace_s, step_delay_s=args.step_delay_s, simulate_step_latency=simulate, **extra)
+    kwargs = settings_kwargs(WorkerSettings, args)
+    if kwargs.get("simulate_step_latency") and "worker_id" not in kwargs:
+        kwargs["worker_id"] = "sim-" + uuid.uuid4().hex[:8]
+    return WorkerSettings(runner=ModelRunnerConfig(**settings_kwargs(ModelRunnerConfig, args)), **kwargs)
 
 
 def make_app(settings: WorkerSettings) -> WorkerApp:

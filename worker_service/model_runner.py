@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import get_attention_ops
+from kernels import get_attention_ops, native
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
 from worker_service import cpu_memory
@@ -69,7 +69,9 @@ class ModelRunner:
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
         if self.device.type == "cpu":
-            cpu_memory.tune_malloc()
+            if config.tune_malloc:
+                cpu_memory.tune_malloc()
+            native.configure(enabled=config.native_kernels, cache_dir=config.kernel_cache or None)
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)

@@ -16,7 +16,7 @@ import pytest
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import DeadlineExceededError, InvalidArgumentError
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
-from servicekit.serving import CHANNEL_OPTIONS
+from servicekit.proto.channel import CHANNEL_OPTIONS
 
 from .test_health import SERVING, health
 
