@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from servicekit.flags import add_setting_flags, settings_kwargs
+from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import service_main
 from gateway_service.settings import GatewaySettings
 
@@ -81,16 +81,14 @@ class GatewayApp:
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedserve gateway",
-        description="Run a gateway: the public pagedserve.v1.Generation gRPC service (Generate, Tokenize, "
+    return service_parser(
+        "pagedserve gateway",
+        "Run a gateway: the public pagedserve.v1.Generation gRPC service (Generate, Tokenize, "
                     "ModelInfo) plus grpc.health.v1 and reflection. Stateless: validates and tokenizes each "
                     "request, enqueues it in Redis ({prefix}requests), streams its tokens back from "
                     "{prefix}out:{request_id} as text, applies stop strings, aborts requests whose client "
                     "left. Learns the model's limits from the workers registered in Redis. SIGTERM: report "
-                    "NOT_SERVING, refuse new calls, let live streams finish within --drain-grace-s.")
-    add_setting_flags(parser, env, GatewaySettings)
-    return parser
+                    "NOT_SERVING, refuse new calls, let live streams finish within --drain-grace-s.", env, GatewaySettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:

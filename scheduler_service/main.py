@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from servicekit.flags import add_setting_flags, settings_kwargs
+from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import service_main
 from scheduler_service.settings import SchedulerSettings
 
@@ -19,16 +19,14 @@ log = logging.getLogger("pagedserve.scheduler")
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedserve scheduler",
-        description="Run the scheduler: pulls requests from the Redis stream {prefix}requests (consumer "
+    return service_parser(
+        "pagedserve scheduler",
+        "Run the scheduler: pulls requests from the Redis stream {prefix}requests (consumer "
                     "group 'schedulers') only while its workers have room, keeps one scheduler core and KV "
                     "block pool per worker, drives each worker over a Worker.Step stream, and writes every "
                     "step's tokens to {prefix}out:{request_id}. Serves SchedulerAdmin.Stats, grpc.health.v1 "
                     "and reflection on --port. SIGTERM: stop pulling, report NOT_SERVING, finish held "
-                    "requests within --drain-grace-s; unfinished ones stay pending in Redis.")
-    add_setting_flags(parser, env, SchedulerSettings)
-    return parser
+                    "requests within --drain-grace-s; unfinished ones stay pending in Redis.", env, SchedulerSettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:

@@ -128,6 +128,11 @@ def drain_grace_setting() -> Any:
     return setting(30.0, help="on SIGTERM, seconds in-flight work may take to finish before the server stops")
 
 
-def add_log_level_flag(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+def service_parser(prog: str, description: str, env: Mapping[str, str], *settings: type) -> argparse.ArgumentParser:
+    """A service's whole command line: the flags of each settings dataclass, then ``--log-level``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    for cls in settings:
+        add_setting_flags(parser, env, cls)
     add_flag(parser, env, "log-level", default="INFO", choices=LOG_LEVELS,
              help="log level (prompt text is only ever logged at DEBUG)")
+    return parser

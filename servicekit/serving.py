@@ -25,7 +25,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
-from servicekit.flags import add_log_level_flag
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.status import status_of
 
@@ -231,9 +230,7 @@ def service_main(name: str, build_parser: Callable[[Mapping[str, str]], argparse
     value exits 2 with the message), then start the app, serve until SIGTERM/SIGINT and drain it
     within the settings' ``drain_grace_s``."""
     env = os.environ if env is None else env
-    parser = build_parser(env)
-    add_log_level_flag(parser, env)
-    args = parser.parse_args(argv)
+    args = build_parser(env).parse_args(argv)
     configure_logging(args.log_level)
     try:
         settings = settings_from_args(args)

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from servicekit.flags import (
-    add_setting_flags,
     drain_grace_setting,
     key_prefix_setting,
     redis_url_setting,
     setting,
+    service_parser,
     settings_kwargs,
 )
 from servicekit.redis_keys import RedisKeys
@@ -157,16 +157,13 @@ class WorkerApp:
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedserve worker",
-        description="Run one model worker: loads the model, allocates the paged KV cache and serves the "
+    return service_parser(
+        "pagedserve worker",
+        "Run one model worker: loads the model, allocates the paged KV cache and serves the "
                     "internal Worker gRPC API (Describe, Step stream, Reset) plus grpc.health.v1 and "
                     "reflection. A scheduler drives it; with --redis-url it registers itself so schedulers "
                     "and gateways find it. SIGTERM: leave the registry, report NOT_SERVING, finish held "
-                    "requests within --drain-grace-s, exit.")
-    add_setting_flags(parser, env, ModelRunnerConfig)
-    add_setting_flags(parser, env, WorkerSettings)
-    return parser
+                    "requests within --drain-grace-s, exit.", env, ModelRunnerConfig, WorkerSettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
