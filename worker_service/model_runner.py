@@ -71,7 +71,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             if config.tune_malloc:
                 cpu_memory.tune_malloc()
-            native.configure(enabled=config.native_kernels, cache_dir=config.kernel_cache or None)
+            # only a change from the defaults is passed on: the defaults leave the environment its say
+            native.configure(enabled=None if config.native_kernels else False, cache_dir=config.kernel_cache or None)
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
