@@ -34,6 +34,7 @@ from servicekit.contract.api import ModelInfo
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.text import OutputText, PromptTokenizer
+from servicekit.auth import ConcurrencyLimits
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from servicekit.redis_keys import RedisKeys
 from servicekit.contract.step import FinishReason
@@ -49,8 +50,11 @@ class GenerationService:
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
-                 prompt_bytes_per_token: int = 16) -> None:
+                 prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
+                 max_buffered_outputs: int = 0) -> None:
+        self._max_buffered = max_buffered_outputs
         self.model = model
+        self._per_key = per_key or ConcurrencyLimits(0)
         self._prompt_bytes_per_token = prompt_bytes_per_token
         self._keys = keys
         self.tokenizer = tokenizer
@@ -122,10 +126,13 @@ class GenerationService:
 
     # -- Generate -------------------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None,
+                       owner: str = "") -> AsyncIterator[GenerateChunk]:
         """Admit the request (or, resuming, join it as one more reader after checking the input
         matches) and yield its chunks; the last has ``finish_reason`` and ``usage``. Closing the
-        iterator early (client gone, deadline) aborts the request when no other call reads it."""
+        iterator early (client gone, deadline) aborts the request when no other call reads it.
+        ``owner``: the digest of the caller's API key; the request belongs to it, and only the
+        same key may resume it (``""``: no keys configured)."""
         if self.draining:
             raise UnavailableError("the gateway is draining; use another replica")
         deadline = time.time() + timeout_s if timeout_s else 0.0  # from the call's start, tokenizing included
@@ -139,19 +146,20 @@ class GenerationService:
         digests = convert.request_digests(prompt_ids, params)  # as given: a resume repeats the unseeded params
         if params.seed is None:  # decision 6: a seed at admission makes every replay identical
             params = params.with_seed(self._rng.randrange(SEED_RANGE))
-        request_id = inp.request_id or uuid.uuid4().hex
+        request_id = inp.request_id or uuid.uuid4().hex  # 122 random bits: not guessable
+        self._per_key.acquire(owner)
         self._enter()
-        sub = self._fanout.subscribe(self._keys.output(request_id))
+        sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered)
         reading = finished = False  # reading: counted among the request's readers in Redis
         try:
             try:
                 if inp.resume_from_index is not None:
-                    await self._queue.join(request_id, digests, self._fanout.wake_key)
+                    await self._queue.join(request_id, digests, self._fanout.wake_key, owner)
                 else:
                     record = convert.engine_request_to_record(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
-                    await self._queue.admit(request_id, record, digests, self._fanout.wake_key)
+                    await self._queue.admit(request_id, record, digests, self._fanout.wake_key, owner)
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             reading = True
@@ -175,6 +183,7 @@ class GenerationService:
                     log.info("request %s left by a client: aborting it unless another call reads it", request_id)
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
+            self._per_key.release(owner)
 
     async def _stream(self, request_id: str, sub: Subscription, prompt_ids: list[int], params: SamplingParams,
                       inp: GenerateInput) -> AsyncIterator[GenerateChunk]:

@@ -13,7 +13,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from servicekit.flags import service_parser, settings_kwargs
-from servicekit.serving import service_main
+from servicekit.auth import ConcurrencyLimits, KeyStore
+from servicekit.redis_connect import connect_redis
+from servicekit.serving import StartupError, is_loopback, service_main
 from gateway_service.settings import GatewaySettings
 
 log = logging.getLogger("pagedserve.gateway")
@@ -44,10 +46,9 @@ class GatewayApp:
 
         s = self.settings
         keys = RedisKeys(s.key_prefix)
+        api_keys = self._key_store()
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+            self._redis = await connect_redis(s.redis_url)
         if self._hf_tokenizer is None:
             self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
@@ -57,13 +58,27 @@ class GatewayApp:
         queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
                                          limits=self._limits, queue=queue, fanout=self._fanout,
-                                         prompt_bytes_per_token=s.prompt_bytes_per_token)
-        self.lifecycle = build_server(self.service)
-        self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
+                                         prompt_bytes_per_token=s.prompt_bytes_per_token,
+                                         per_key=ConcurrencyLimits(s.max_requests_per_key),
+                                         max_buffered_outputs=s.max_buffered_outputs)
+        self.lifecycle = build_server(self.service, s, api_keys)
+        self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
         self._limits.start()
         self._fanout.start()
         await self.lifecycle.start()
-        log.info("gateway %s for %s listening on %s:%d", s.gateway_id, s.model, s.host, self.port)
+        log.info("gateway %s for %s listening on %s:%d (%s, %s)", s.gateway_id, s.model, s.host, self.port,
+                 "TLS" if s.tls.enabled else "plaintext", f"{len(api_keys)} API keys" if api_keys.enabled else "no API keys")
+
+    def _key_store(self) -> KeyStore:
+        s = self.settings
+        try:
+            store = KeyStore(s.api_keys, s.api_keys_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"api_keys_file (PAGEDSERVE_API_KEYS_FILE): {exc}") from None
+        if not store.enabled and not is_loopback(s.host):
+            log.warning("no API keys configured (--api-keys / --api-keys-file): anyone who reaches %s:%d may "
+                        "generate and resume requests by id", s.host, s.port)
+        return store
 
     async def drain(self, grace_s: float | None = None) -> None:
         """NOT_SERVING and no new Generate calls; live streams finish within the grace period."""

@@ -6,7 +6,16 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.flags import (
+    drain_grace_setting,
+    key_prefix_setting,
+    redis_url_setting,
+    setting,
+    tls_ca_setting,
+    tls_cert_setting,
+    tls_key_setting,
+)
+from servicekit.tls import TlsFiles
 from servicekit.redis_keys import RedisKeys
 
 DEFAULT_PORT = 50051
@@ -37,9 +46,35 @@ class GatewaySettings:
     prompt_bytes_per_token: int = setting(
         16, help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it is "
                  "tokenized")
+    # Security (README "Security").
+    api_keys: tuple[str, ...] = setting(
+        (), secret=True, help="comma-separated API keys clients must send as 'authorization: Bearer KEY' (or "
+                              "'sha256:HEX' digests); with --api-keys-file, either one admits (empty and no file: "
+                              "open to anyone who reaches the port)")
+    api_keys_file: str = setting("", help="file of API keys, one per line ('sha256:HEX' digests allowed, '#' "
+                                          "comments); re-read when it changes, so keys are added or revoked live")
+    max_requests_per_key: int = setting(0, help="Generate streams one API key may have open on this gateway; more "
+                                                "is RESOURCE_EXHAUSTED (0: no limit)")
+    reflection: bool = setting(True, help="serve gRPC reflection (open to all: it lists the methods)")
+    tls_cert_file: str = tls_cert_setting("the gateway")
+    tls_key_file: str = tls_key_setting()
+    tls_ca_file: str = tls_ca_setting("clients must present a certificate it signed (empty: no client certificates)")
+    max_message_bytes: int = setting(16 * 1024 * 1024, help="largest gRPC message received or sent")
+    max_concurrent_streams: int = setting(256, help="concurrent calls one client connection may have open")
+    max_buffered_outputs: int = setting(
+        4096, help="output records one Generate stream may have waiting for its client; a client that reads slower "
+                   "than that is cut off with RESOURCE_EXHAUSTED and its request aborted (bounds gateway memory)")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)
+        self.tls.check(server=True)
+        for name in ("max_requests_per_key", "max_message_bytes", "max_concurrent_streams", "max_buffered_outputs"):
+            if getattr(self, name) < (0 if name == "max_requests_per_key" else 1):
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
         if not self.model:
             raise ValueError("model: must be non-empty")
         if not 0 <= self.port < 65536:

@@ -111,13 +111,14 @@ class SchedulerApp:
 
         s = self.settings
         if self._redis is None:
-            import redis.asyncio as aioredis
+            from servicekit.redis_connect import connect_redis
 
-            self._redis = aioredis.from_url(s.redis_url)
+            self._redis = await connect_redis(s.redis_url)
         await ensure_request_group(self._redis, self.keys)
         self.queue = RedisQueue(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
         self.lifecycle = build_server(self)
-        self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
+        # The admin server uses the scheduler's certificate; with a CA, its clients need one too.
+        self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls if s.tls_cert_file else None)
         await self.lifecycle.start()
         self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,

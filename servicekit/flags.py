@@ -41,11 +41,13 @@ def parse_list(text: str) -> tuple[str, ...]:
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
-            choices: Any = None, type: Callable[[str], Any] | None = None) -> Any:
+            choices: Any = None, type: Callable[[str], Any] | None = None, secret: bool = False) -> Any:
     """A settings field that is also a flag. ``type`` parses the flag's text (default: from the
     default's type; ``parse_list`` for tuples); a field with a ``default_factory`` (a generated id)
-    takes the factory's value when its flag is left empty."""
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type}
+    takes the factory's value when its flag is left empty. A ``secret`` (keys, tokens) never shows
+    its value in ``--help``."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type,
+                "secret": secret}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -67,8 +69,9 @@ def _flag_type(field: dataclasses.Field) -> Callable[[str], Any]:
 
 def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str, *,
              type: Callable[[str], Any] = str, default: Any = None, help: str,
-             choices: Any = None) -> None:
-    """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``."""
+             choices: Any = None, secret: bool = False) -> None:
+    """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``
+    (a ``secret`` one's value is not shown in ``--help``)."""
     var = env_var(flag)
     if var in env:
         raw = env[var]
@@ -77,6 +80,8 @@ def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
         except ValueError as exc:
             parser.error(f"environment variable {var}={raw!r}: {exc}")
     shown = ",".join(default) if isinstance(default, tuple) else default
+    if secret and shown:
+        shown = "(set, not shown)"
     text = f"{help} [env {var}; default: {'' if shown is None else shown}]".replace("%", "%%")
     if type is bool:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=default, help=text)
@@ -97,7 +102,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, env: Mapping[str, str], c
         add_flag(parser, env, f.name.replace("_", "-"), type=_flag_type(f),
                  default="" if generated else f.default,
                  help=f.metadata["help"] + (" (empty: generated)" if generated else ""),
-                 choices=f.metadata["choices"])
+                 choices=f.metadata["choices"], secret=f.metadata.get("secret", False))
 
 
 def settings_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -136,3 +141,20 @@ def service_parser(prog: str, description: str, env: Mapping[str, str], *setting
     add_flag(parser, env, "log-level", default="INFO", choices=LOG_LEVELS,
              help="log level (prompt text is only ever logged at DEBUG)")
     return parser
+
+
+def tls_cert_setting(role: str) -> Any:
+    return setting("", help=f"PEM certificate {role} presents (with --tls-key-file; empty: no TLS)")
+
+
+def tls_key_setting() -> Any:
+    return setting("", help="PEM private key of --tls-cert-file (mount it read-only)")
+
+
+def tls_ca_setting(meaning: str) -> Any:
+    return setting("", help=f"PEM CA certificate: {meaning}")
+
+
+def internal_token_setting() -> Any:
+    return setting("", secret=True, help="shared secret every internal RPC carries (authorization: Bearer ...), checked by workers "
+                            "and schedulers; prefer the env var or a compose secret to the flag (empty: none)")

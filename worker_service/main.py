@@ -19,15 +19,20 @@ from dataclasses import dataclass
 
 from servicekit.flags import (
     drain_grace_setting,
+    internal_token_setting,
     key_prefix_setting,
     redis_url_setting,
     setting,
     service_parser,
     settings_kwargs,
+    tls_ca_setting,
+    tls_cert_setting,
+    tls_key_setting,
 )
+from servicekit.tls import TlsFiles
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat, WorkerRecord
-from servicekit.serving import service_main
+from servicekit.serving import is_loopback, service_main
 from worker_service.config import ModelRunnerConfig
 from worker_service.simulated_runner import parse_step_latency
 
@@ -59,7 +64,22 @@ class WorkerSettings:
                                             "step sleeps a + b x scheduled tokens seconds and returns made-up "
                                             "deterministic tokens (default: off)")
 
+    # Security (README "Security"): mutual TLS with the schedulers and/or a shared token.
+    tls_cert_file: str = tls_cert_setting("the worker")
+    tls_key_file: str = tls_key_setting()
+    tls_ca_file: str = tls_ca_setting("schedulers must present a certificate it signed (mutual TLS; required with "
+                                      "--tls-cert-file)")
+    internal_token: str = internal_token_setting()
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
     def __post_init__(self) -> None:
+        self.tls.check(server=True)
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError("tls_ca_file: a worker with TLS must require client certificates (give the CA that "
+                             "signs the schedulers' certificates)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.heartbeat_ttl_s < 1:
@@ -113,15 +133,18 @@ class WorkerApp:
         self.servicer = WorkerServicer(
             self._runner, worker_id=s.worker_id, max_num_seqs=s.runner.max_num_seqs,
             max_num_batched_tokens=s.runner.max_num_batched_tokens, step_delay_s=s.step_delay_s)
-        self.lifecycle = build_server(self.servicer)
-        port = self.lifecycle.bind(f"{s.host}:{s.port}")
+        if s.redis_url:  # first: wrong credentials stop the worker before it listens
+            from servicekit.redis_connect import connect_redis
+
+            self._redis = await connect_redis(s.redis_url)
+        if not s.tls.enabled and not s.internal_token and not is_loopback(s.host):
+            log.warning("no TLS and no internal token: anyone who reaches %s:%d may drive this worker", s.host, s.port)
+        self.lifecycle = build_server(self.servicer, internal_token=s.internal_token)
+        port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
         await self.lifecycle.start()
         self.address = s.address_for(port)
         info = self._runner.info
         if s.redis_url:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
             record = WorkerRecord(
                 worker_id=s.worker_id, address=self.address, model=info.model, num_blocks=info.num_blocks,
                 block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
