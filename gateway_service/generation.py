@@ -149,7 +149,10 @@ class GenerationService:
         request_id = inp.request_id or uuid.uuid4().hex  # 122 random bits: not guessable
         self._per_key.acquire(owner)
         self._enter()
-        sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered)
+        # A client that stops reading fills this call's buffer: the request is aborted at once (as
+        # for a client gone); the call ends with RESOURCE_EXHAUSTED when, or if, its client reads on.
+        sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered,
+                                     on_overflow=lambda: self._on_slow_reader(request_id))
         reading = finished = False  # reading: counted among the request's readers in Redis
         try:
             try:
@@ -249,6 +252,11 @@ class GenerationService:
             await self._queue.abort(request_id)
         except Exception as exc:  # Redis away: the scheduler finishes it at max_tokens anyway
             log.warning("could not publish abort of %s: %s", request_id, exc)
+
+    def _on_slow_reader(self, request_id: str) -> None:
+        log.info("request %s: its client stopped reading (%d output records waiting); aborting it", request_id,
+                 self._max_buffered)
+        self._in_background(self._abort(request_id))
 
     async def _leave(self, request_id: str, *, abort: bool) -> None:
         try:
