@@ -19,6 +19,7 @@ from servicekit.redis_keys import DEFAULT_PREFIX
 
 ENV_PREFIX = "PAGEDSERVE_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 
 
 def env_var(flag: str) -> str:
@@ -134,12 +135,15 @@ def drain_grace_setting() -> Any:
 
 
 def service_parser(prog: str, description: str, env: Mapping[str, str], *settings: type) -> argparse.ArgumentParser:
-    """A service's whole command line: the flags of each settings dataclass, then ``--log-level``."""
+    """A service's whole command line: the flags of each settings dataclass, then ``--log-level``
+    and ``--log-format``."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     for cls in settings:
         add_setting_flags(parser, env, cls)
     add_flag(parser, env, "log-level", default="INFO", choices=LOG_LEVELS,
              help="log level (prompt text is only ever logged at DEBUG)")
+    add_flag(parser, env, "log-format", default="text", choices=LOG_FORMATS,
+             help="log lines as plain text or one JSON object per line")
     return parser
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import json
 import logging
 import os
 import signal
@@ -53,10 +54,24 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message (and the traceback, if any), for log
+    collectors. Messages are the same text as in the plain format: no prompt or completion text at
+    INFO or above, no keys or passwords at any level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple] | None:
@@ -261,7 +276,7 @@ def service_main(name: str, build_parser: Callable[[Mapping[str, str]], argparse
     within the settings' ``drain_grace_s``."""
     env = os.environ if env is None else env
     args = build_parser(env).parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
