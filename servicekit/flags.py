@@ -4,7 +4,8 @@ A field declared with :func:`setting` carries its help text; :func:`add_setting_
 each such field into ``--field-name`` (type, default and choices from the field) that falls back to
 the ``PAGEDSERVE_FIELD_NAME`` environment variable, and :func:`settings_kwargs` reads the parsed
 values back into the dataclass's keyword arguments. Precedence: command-line flag > environment
-variable > the field's default. ``--help`` shows each flag's variable and effective default
+variable (or the file ``PAGEDSERVE_FIELD_NAME_FILE`` names: secrets mounted as files) > the field's
+default. ``--help`` shows each flag's variable and effective default
 (STYLE.md habits 4 and 15).
 """
 
@@ -20,6 +21,7 @@ from servicekit.redis_keys import DEFAULT_PREFIX
 ENV_PREFIX = "PAGEDSERVE_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
+FILE_SUFFIX = "_FILE"  # PAGEDSERVE_X_FILE=/run/secrets/x: the value of PAGEDSERVE_X is that file's content
 
 
 def env_var(flag: str) -> str:
@@ -71,15 +73,26 @@ def _flag_type(field: dataclasses.Field) -> Callable[[str], Any]:
 def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str, *,
              type: Callable[[str], Any] = str, default: Any = None, help: str,
              choices: Any = None, secret: bool = False) -> None:
-    """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``
-    (a ``secret`` one's value is not shown in ``--help``)."""
+    """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``, or
+    from the file ``PAGEDSERVE_FLAG_FILE`` names (which wins; for secrets mounted as files). A
+    ``secret`` one's value, and any value read from a file, is not shown in ``--help``."""
     var = env_var(flag)
+    source = var
+    if var + FILE_SUFFIX in env:  # a secret mounted as a file (compose/Kubernetes secrets) wins
+        source = var + FILE_SUFFIX
+        try:
+            with open(env[source], encoding="utf-8") as f:
+                env = {var: f.read().strip()}
+        except OSError as exc:
+            parser.error(f"environment variable {source}: {exc}")
+        secret = True  # read from a secret file: never shown
     if var in env:
         raw = env[var]
         try:
             default = parse_bool(raw) if type is bool else type(raw)
         except ValueError as exc:
-            parser.error(f"environment variable {var}={raw!r}: {exc}")
+            parser.error(f"environment variable {source}: {exc}" if secret else
+                         f"environment variable {var}={raw!r}: {exc}")
     shown = ",".join(default) if isinstance(default, tuple) else default
     if secret and shown:
         shown = "(set, not shown)"

@@ -112,3 +112,16 @@ def test_json_log_lines(capsys):
     entry = json.loads(JsonFormatter().format(record))
     assert entry["level"] == "INFO" and entry["message"] == "request r1 admitted"
     assert entry["logger"] == "pagedserve.gateway" and "time" in entry
+
+
+def test_a_setting_can_come_from_a_secret_file_and_is_then_never_shown(tmp_path):
+    from gateway_service.main import build_parser, settings_from_args
+
+    secret = tmp_path / "redis_url"
+    secret.write_text("redis://gateway:pw-from-file@redis:6379/0\n")
+    env = {"PAGEDSERVE_REDIS_URL_FILE": str(secret), "PAGEDSERVE_REDIS_URL": "redis://ignored:6379/0"}
+    parser = build_parser(env)
+    assert settings_from_args(parser.parse_args([])).redis_url == "redis://gateway:pw-from-file@redis:6379/0"
+    assert "pw-from-file" not in parser.format_help()
+    assert settings_from_args(parser.parse_args(["--redis-url", "redis://flag:6379/0"])).redis_url == \
+        "redis://flag:6379/0"  # a flag still wins
