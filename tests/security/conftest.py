@@ -20,7 +20,6 @@ from services.conftest import (  # noqa: F401  (fixtures re-exported for this fo
     hf_model,
     hf_tokenizer,
     redis_server,
-    redis_server_binary,
     tiny_model_dir,
 )
 from servicekit.tls import TlsFiles

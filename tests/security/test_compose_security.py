@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-
-from pagedserve.launcher import free_port
-
-from .conftest import redis_server_binary
+from services.conftest import start_redis_server, stop_redis_server
+from services.test_compose import check_against_compose_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SECURE = REPO / "compose.secure.yaml"
@@ -30,12 +26,7 @@ def secure() -> dict:
 
 
 def test_the_overlay_validates_against_the_compose_spec():
-    tool = shutil.which("check-jsonschema") or str(Path(sys.executable).with_name("check-jsonschema"))
-    if not Path(tool).exists():
-        pytest.skip("check-jsonschema is not installed")
-    result = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(SECURE)],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    check_against_compose_spec(SECURE)
 
 
 def test_secrets_are_compose_secrets_and_never_environment_values(secure):
@@ -74,15 +65,9 @@ def made_secrets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def acl_redis(made_secrets):
-    port = free_port()
-    proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(made_secrets), "--aclfile", str(made_secrets / "secrets/redis.acl")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    time.sleep(0.3)
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    server = start_redis_server(made_secrets, "--aclfile", str(made_secrets / "secrets/redis.acl"))
+    yield server.port
+    stop_redis_server(server)
 
 
 def _role_url(made_secrets: Path, role: str, port: int) -> str:

@@ -5,51 +5,25 @@ traceback, no retry loop, no password in the message. A real redis-server with `
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-
 import pytest
+from services.conftest import start_redis_server, stop_redis_server
 
-from pagedserve.launcher import free_port
 from servicekit.redis_connect import connect_redis, redacted
 from servicekit.serving import StartupError
-
-from .conftest import redis_server_binary
 
 
 ADMIN_PASSWORD = "admin-secret-pw"
 USER, USER_PASSWORD = "pagedserve", "user-secret-pw"
 
 
-def _answers(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def locked_redis(tmp_path_factory):
     """A redis-server wanting a password: ``requirepass`` for the default user and an ACL user
     limited to the ``sec*`` keys."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path_factory.mktemp("locked-redis")), "--requirepass", ADMIN_PASSWORD,
-         "--user", USER, "on", f">{USER_PASSWORD}", "~sec*", "&*", "+@all"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while not _answers(port):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError("redis-server did not start")
-        time.sleep(0.05)
-    yield port
-    proc.terminate()
-    proc.wait(10)
+    server = start_redis_server(tmp_path_factory.mktemp("locked-redis"), "--requirepass", ADMIN_PASSWORD,
+                                "--user", USER, "on", f">{USER_PASSWORD}", "~sec*", "&*", "+@all")
+    yield server.port
+    stop_redis_server(server)
 
 
 def _url(port: int, credentials: str = "") -> str:
