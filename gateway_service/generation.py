@@ -34,7 +34,7 @@ from servicekit.contract.api import ModelInfo
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.text import OutputText, PromptTokenizer
-from servicekit.auth import ConcurrencyLimits
+from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from servicekit.redis_keys import RedisKeys
 from servicekit.contract.step import FinishReason
@@ -51,7 +51,8 @@ class GenerationService:
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
                  prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
-                 max_buffered_outputs: int = 0) -> None:
+                 tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0) -> None:
+        self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
         self._max_buffered = max_buffered_outputs
         self.model = model
         self._per_key = per_key or ConcurrencyLimits(0)
@@ -147,6 +148,7 @@ class GenerationService:
         if params.seed is None:  # decision 6: a seed at admission makes every replay identical
             params = params.with_seed(self._rng.randrange(SEED_RANGE))
         request_id = inp.request_id or uuid.uuid4().hex  # 122 random bits: not guessable
+        self._tokens_per_key.check(owner)
         self._per_key.acquire(owner)
         self._enter()
         # A client that stops reading fills this call's buffer: the request is aborted at once (as
@@ -166,11 +168,14 @@ class GenerationService:
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             reading = True
+            if inp.resume_from_index is None:
+                self._tokens_per_key.charge(owner, len(prompt_ids))
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
             try:
                 async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
+                    self._tokens_per_key.charge(owner, len(chunk.token_ids))
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from servicekit.flags import service_parser, settings_kwargs
-from servicekit.auth import ConcurrencyLimits, KeyStore
+from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
 from servicekit.redis_connect import connect_redis
 from servicekit.serving import StartupError, is_loopback, service_main
 from gateway_service.settings import GatewaySettings
@@ -60,6 +60,7 @@ class GatewayApp:
                                          limits=self._limits, queue=queue, fanout=self._fanout,
                                          prompt_bytes_per_token=s.prompt_bytes_per_token,
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
+                                         tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
                                          max_buffered_outputs=s.max_buffered_outputs)
         self.lifecycle = build_server(self.service, s, api_keys)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)

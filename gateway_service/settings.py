@@ -55,6 +55,9 @@ class GatewaySettings:
                                           "comments); re-read when it changes, so keys are added or revoked live")
     max_requests_per_key: int = setting(0, help="Generate streams one API key may have open on this gateway; more "
                                                 "is RESOURCE_EXHAUSTED (0: no limit)")
+    max_tokens_per_key_per_minute: int = setting(
+        0, help="prompt plus generated tokens one API key may use per minute on this gateway; past it Generate is "
+                "RESOURCE_EXHAUSTED (0: no limit)")
     reflection: bool = setting(True, help="serve gRPC reflection (open to all: it lists the methods)")
     tls_cert_file: str = tls_cert_setting("the gateway")
     tls_key_file: str = tls_key_setting()
@@ -72,9 +75,10 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)
         self.tls.check(server=True)
-        for name in ("max_requests_per_key", "max_message_bytes", "max_concurrent_streams", "max_buffered_outputs"):
-            if getattr(self, name) < (0 if name == "max_requests_per_key" else 1):
-                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0),
+                            ("max_message_bytes", 1), ("max_concurrent_streams", 1), ("max_buffered_outputs", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name}: must be >= {least}, got {getattr(self, name)}")
         if not self.model:
             raise ValueError("model: must be non-empty")
         if not 0 <= self.port < 65536:

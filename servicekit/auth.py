@@ -25,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 from servicekit.contract.errors import ResourceExhaustedError, UnauthenticatedError
 
@@ -169,3 +170,47 @@ class ConcurrencyLimits:
             self._in_flight[digest] = n
         else:
             self._in_flight.pop(digest, None)
+
+
+class TokenRateLimits:
+    """At most ``per_minute`` tokens (prompt plus generated) per key digest in any 60 s window, in
+    this process (0: no limit). A request is refused at admission once its key's window is full;
+    one admitted below the limit runs to its end (its tokens count against the next requests), so
+    a key may overshoot by at most one request's tokens per gateway."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self._clock = clock
+        self._spent: dict[str, deque[tuple[float, int]]] = {}
+        self._totals: dict[str, int] = {}
+
+    def _expire(self, digest: str, now: float) -> int:
+        spent = self._spent.get(digest)
+        if not spent:
+            return 0
+        total = self._totals[digest]
+        while spent and spent[0][0] <= now - self.WINDOW_S:
+            total -= spent.popleft()[1]
+        if not spent:
+            del self._spent[digest], self._totals[digest]
+            return 0
+        self._totals[digest] = total
+        return total
+
+    def check(self, digest: str) -> None:
+        if not self.per_minute:
+            return
+        used = self._expire(digest, self._clock())
+        if used >= self.per_minute:
+            raise ResourceExhaustedError(f"this API key used {used} tokens in the last minute (limit "
+                                         f"{self.per_minute}); retry later")
+
+    def charge(self, digest: str, tokens: int) -> None:
+        if not self.per_minute or tokens <= 0:
+            return
+        now = self._clock()
+        self._expire(digest, now)
+        self._spent.setdefault(digest, deque()).append((now, tokens))
+        self._totals[digest] = self._totals.get(digest, 0) + tokens

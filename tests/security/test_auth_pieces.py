@@ -125,3 +125,25 @@ def test_a_setting_can_come_from_a_secret_file_and_is_then_never_shown(tmp_path)
     assert "pw-from-file" not in parser.format_help()
     assert settings_from_args(parser.parse_args(["--redis-url", "redis://flag:6379/0"])).redis_url == \
         "redis://flag:6379/0"  # a flag still wins
+
+
+def test_token_rate_limits_count_a_sliding_minute_per_key():
+    from servicekit.auth import TokenRateLimits
+
+    now = [1000.0]
+    limits = TokenRateLimits(100, clock=lambda: now[0])
+    limits.check("a")
+    limits.charge("a", 60)
+    now[0] += 30
+    limits.charge("a", 40)
+    with pytest.raises(ResourceExhaustedError):
+        limits.check("a")
+    limits.check("b")  # other keys have their own budget
+    now[0] += 30.5  # the first 60 tokens left the window
+    limits.check("a")
+    limits.charge("a", 60)
+    with pytest.raises(ResourceExhaustedError):
+        limits.check("a")
+    unlimited = TokenRateLimits(0)
+    unlimited.charge("a", 10**9)
+    unlimited.check("a")
