@@ -8,6 +8,12 @@ from array import array
 
 import grpc
 
+from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
+from gateway_service.request_queue import RequestDigests
+from servicekit.contract.api import ModelInfo
+from servicekit.contract.chat import check_chat_message
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.sampling_params import SamplingParams
 from servicekit.proto.convert import (
     FINISH_REASON_FROM_PB,
     FINISH_REASON_TO_PB,
@@ -16,13 +22,7 @@ from servicekit.proto.convert import (
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
-from servicekit.contract.chat import check_chat_message
-from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.pb import generation_pb2, queue_pb2
-from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
-from servicekit.contract.api import ModelInfo
-from gateway_service.request_queue import RequestDigests
-from servicekit.contract.sampling_params import SamplingParams
 
 
 def _messages(chat) -> list[dict[str, str]]:

@@ -28,16 +28,15 @@ from redis.exceptions import RedisError
 
 from gateway_service import convert
 from gateway_service.messages import GenerateChunk, GenerateInput
-from servicekit.contract.api import Usage
 from gateway_service.model_limits import ModelLimitsView
-from servicekit.contract.api import ModelInfo
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.text import OutputText, PromptTokenizer
+from servicekit.contract.api import ModelInfo, Usage
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
-from servicekit.redis_keys import RedisKeys
-from servicekit.contract.step import FinishReason
 from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
+from servicekit.contract.step import FinishReason
+from servicekit.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 

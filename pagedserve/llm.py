@@ -18,11 +18,11 @@ from typing import Any, Union
 
 from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
 from scheduler_service.core.config import SchedulerConfig
-from servicekit.contract.step import TokenLogprobs
 from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
-from scheduler_service.core.scheduler import Scheduler
+from servicekit.contract.step import TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -142,7 +142,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def info(self):  # WorkerInfo of the model runner
+    def info(self):  # WorkerDescription of the model runner
         return self.runner.info
 
     def generate(

@@ -8,9 +8,9 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from scheduler_service.core.config import POLICIES
 from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit.redis_keys import RedisKeys
-from scheduler_service.core.config import POLICIES
 
 DEFAULT_PORT = 50052
 

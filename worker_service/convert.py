@@ -3,24 +3,23 @@
 
 from __future__ import annotations
 
-from servicekit.proto.convert import logprobs_to_pb, sampling_params_from_pb
-from servicekit.proto.pb import worker_pb2
 from servicekit.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    WorkerInfo,
 )
+from servicekit.contract.worker import WorkerDescription
+from servicekit.proto.convert import logprobs_to_pb, sampling_params_from_pb
+from servicekit.proto.pb import worker_pb2
 
 
-def describe_to_pb(info: WorkerInfo, *, worker_id: str, max_num_seqs: int,
-                   max_num_batched_tokens: int) -> worker_pb2.DescribeResponse:
+def describe_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
     return worker_pb2.DescribeResponse(
-        model=info.model, num_blocks=info.num_blocks, block_size=info.block_size,
-        max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids), worker_id=worker_id,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        model=worker.model, num_blocks=worker.num_blocks, block_size=worker.block_size,
+        max_model_len=worker.max_model_len, vocab_size=worker.vocab_size,
+        eos_token_ids=list(worker.eos_token_ids), worker_id=worker.worker_id,
+        max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens)
 
 
 def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:

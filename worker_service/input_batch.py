@@ -15,10 +15,11 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+
 import numpy as np
 
-from servicekit.contract.step import CachedRequestData, NewRequestData
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import CachedRequestData, NewRequestData
 
 
 class InputBatch:

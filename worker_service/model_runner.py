@@ -2,7 +2,7 @@
 the scheduled tokens with paged attention, and samples.
 
 This is the seam shared by the in-process engine (``pagedserve.LLM``) and the worker's gRPC
-service: ``execute_model(SchedulerOutput) -> ModelRunnerOutput`` and ``info -> WorkerInfo``. It
+service: ``execute_model(SchedulerOutput) -> ModelRunnerOutput`` and ``info -> WorkerDescription``. It
 knows nothing of gRPC, Redis or tokenizers.
 
 Per step the CPU work is a handful of vectorised numpy operations over the scheduled requests
@@ -20,7 +20,8 @@ import torch
 
 from kernels import get_attention_ops, native
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from servicekit.contract.worker import WorkerDescription
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
@@ -85,14 +86,16 @@ class ModelRunner:
         self.attention_backend = ops.backend
 
     @property
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
+    def info(self) -> WorkerDescription:
+        return WorkerDescription(
             model=self.loaded.source.name,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             eos_token_ids=tuple(self.eos_token_ids),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
     # -- one step -------------------------------------------------------------------------------------

@@ -12,8 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_service.core.config import SchedulerConfig
-from servicekit.contract.errors import InvalidArgumentError
 from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.request_queue import create_request_queue
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.sampling_params import SEED_RANGE
 from servicekit.contract.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -21,11 +24,8 @@ from servicekit.contract.step import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    WorkerInfo,
 )
-from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.request_queue import create_request_queue
-from servicekit.contract.sampling_params import SEED_RANGE
+from servicekit.contract.worker import WorkerDescription
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -57,7 +57,7 @@ class Scheduler:
       as a new token (a preempted request resumes from prompt + its outputs).
     """
 
-    def __init__(self, config: SchedulerConfig, worker: WorkerInfo, *,
+    def __init__(self, config: SchedulerConfig, worker: WorkerDescription, *,
                  seed_rng: random.Random | None = None) -> None:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < worker.max_model_len:
             # Without chunking a resumed request (prompt + outputs, up to max_model_len tokens) must

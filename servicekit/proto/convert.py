@@ -5,9 +5,9 @@ Each service's own ``convert.py`` builds on these; nothing else touches ``*_pb2`
 
 from __future__ import annotations
 
-from servicekit.proto.pb import sampling_pb2
-from servicekit.contract.step import FinishReason, TokenLogprobs
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import FinishReason, TokenLogprobs
+from servicekit.proto.pb import sampling_pb2
 
 _SCALAR_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",

@@ -15,8 +15,8 @@ import pytest
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import DeadlineExceededError, InvalidArgumentError
-from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 from servicekit.proto.channel import CHANNEL_OPTIONS
+from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 
 from .test_health import SERVING, health
 
