@@ -17,8 +17,14 @@ from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
 from gateway_service.model_limits import ModelLimits
 from scheduler_service.core.sampling_params import SamplingParams
 
+# A conversation's turns are bounded before they are copied or rendered (each turn costs template
+# tokens, so far more turns than this could not fit any served model's context anyway).
+MAX_CHAT_MESSAGES = 1024
+
 
 def _messages(chat) -> list[dict[str, str]]:
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgumentError("messages", f"at most {MAX_CHAT_MESSAGES} chat messages, got {len(chat.messages)}")
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
