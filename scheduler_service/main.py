@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from pagedserve.flags import add_common_flags, add_flag
 from pagedserve.serving import service_main
-from scheduler_service.core.config import POLICIES
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from scheduler_service.settings import DEFAULT_PORT, SchedulerSettings, default_consumer
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -40,6 +40,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
              help="token budget of one step (0: the worker's limit; never more)")
     add_flag(parser, env, "long-prefill-token-threshold", type=int, default=0,
              help="cap of one prefill chunk (0: off)")
+    add_flag(parser, env, "shared-prefill-token-threshold", type=int, default=DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+             help="cap of one prefill chunk while other requests wait or run, for fair time to first token (0: off)")
     add_flag(parser, env, "enable-chunked-prefill", type=bool, default=True, help="split long prompts over steps")
     add_flag(parser, env, "enable-prefix-caching", type=bool, default=True, help="reuse KV blocks of shared prefixes")
     add_flag(parser, env, "policy", default="fcfs", choices=list(POLICIES), help="waiting-queue order")
@@ -66,6 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
         host=args.host, port=args.port, consumer=args.consumer or default_consumer(),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        shared_prefill_token_threshold=args.shared_prefill_token_threshold,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
         policy=args.policy, max_queued_per_worker=args.max_queued_per_worker, output_ttl_s=args.output_ttl_s,
         discovery_interval_s=args.discovery_interval_s, drain_grace_s=args.drain_grace_s,

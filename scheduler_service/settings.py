@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pagedserve.redis_keys import RedisKeys
-from scheduler_service.core.config import POLICIES
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 
 DEFAULT_PORT = 50052
 
@@ -30,6 +30,7 @@ class SchedulerSettings:
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
     long_prefill_token_threshold: int = 0
+    shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD  # while others wait/run
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
@@ -53,7 +54,7 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                     "max_queued_per_worker"):
+                     "shared_prefill_token_threshold", "max_queued_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:
