@@ -24,10 +24,16 @@ from servicekit.proto.convert import (
 )
 from servicekit.proto.pb import generation_pb2, queue_pb2
 
+# A conversation's turns are bounded before they are copied or rendered (each turn costs template
+# tokens, so far more turns than this could not fit any served model's context anyway).
+MAX_CHAT_MESSAGES = 1024
+
 
 def _messages(chat) -> list[dict[str, str]]:
     """The turns of a Chat; raises InvalidArgumentError naming the first bad one
-    (``messages[1].role``)."""
+    (``messages`` when there are too many, else ``messages[1].role``)."""
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgumentError("messages", f"at most {MAX_CHAT_MESSAGES} chat messages, got {len(chat.messages)}")
     for i, m in enumerate(chat.messages):
         check_chat_message(i, m.role, m.content)
     return [{"role": m.role, "content": m.content} for m in chat.messages]

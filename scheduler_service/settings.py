@@ -8,7 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from scheduler_service.core.config import POLICIES
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit.redis_keys import RedisKeys
 
@@ -35,6 +35,9 @@ class SchedulerSettings:
     max_num_seqs: int = setting(0, help="running requests per worker (0: the worker's batch size; never more)")
     max_num_batched_tokens: int = setting(0, help="token budget of one step (0: the worker's limit; never more)")
     long_prefill_token_threshold: int = setting(0, help="cap of one prefill chunk (0: off)")
+    shared_prefill_token_threshold: int = setting(
+        DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+        help="cap of one prefill chunk while other requests wait or run, for fair time to first token (0: off)")
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
@@ -63,7 +66,7 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         RedisKeys(self.key_prefix)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                     "max_queued_per_worker"):
+                     "shared_prefill_token_threshold", "max_queued_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:

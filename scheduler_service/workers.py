@@ -337,6 +337,7 @@ class WorkerPool:
                                        description.max_num_batched_tokens),
             max_num_seqs=min(s.max_num_seqs or description.max_num_seqs, description.max_num_seqs),
             long_prefill_token_threshold=s.long_prefill_token_threshold,
+            shared_prefill_token_threshold=s.shared_prefill_token_threshold,
             enable_chunked_prefill=s.enable_chunked_prefill,
             enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
         try:

@@ -90,6 +90,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             asyncio.get_running_loop().create_task(drop)
 
     async def Reset(self, request, context):
+        # While a scheduler drives this worker its plan mirrors the runner's requests: dropping them
+        # under it would fail its next step. Closing the Step stream drops them already.
+        if self._stream_open:
+            raise FailedPreconditionError("a scheduler drives this worker (a Step stream is open); "
+                                          "Reset is only allowed when no Step stream is open")
         return worker_pb2.ResetResponse(num_dropped=await self._drop_all())
 
     # -- runner calls ---------------------------------------------------------------------------------

@@ -139,12 +139,13 @@ class Scheduler:
 
         The plan is a diff (see ``outputs``): new and resumed requests in full, running ones as new
         block ids. Each scheduled request gets ``num_tokens - num_computed_tokens`` tokens, cut by
-        ``long_prefill_token_threshold`` and by what is left of the budget.
+        ``long_prefill_token_threshold``, by ``shared_prefill_token_threshold`` when the step is
+        shared (another request waits or runs), and by what is left of the budget.
         """
         cfg = self.config
         kv = self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        threshold = self._chunk_threshold()
         num_scheduled: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
@@ -282,6 +283,19 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _chunk_threshold(self) -> int:
+        """The most tokens one request computes this step (0 = no cap): the hard cap, tightened to
+        the shared cap while more than one request is live, so a long prompt's chunks leave room
+        (and step time) for the others; a prompt alone keeps the whole budget."""
+        cfg = self.config
+        if not cfg.enable_chunked_prefill:
+            return 0
+        threshold = cfg.long_prefill_token_threshold
+        shared = cfg.shared_prefill_token_threshold
+        if shared and len(self.requests) > 1 and not 0 < threshold <= shared:
+            threshold = shared
+        return threshold
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:

@@ -10,6 +10,10 @@ from servicekit.contract.errors import InvalidArgumentError
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Every list a client sends is bounded, so one request cannot make another's steps slow or the worker
+# big: stop token ids are a per-request set the worker keeps while min_tokens applies. Real stop
+# lists hold a few ids (a chat template's end tokens); 128 leaves room for unusual vocabularies.
+MAX_STOP_TOKEN_IDS = 128
 SEED_RANGE = 2**63
 
 
@@ -29,7 +33,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens with p < min_p * p_max, in [0, 1]
     seed: int | None = None  # None: one is assigned at admission (sampling stays reproducible)
     stop: tuple[str, ...] = ()  # stop strings, matched on text at the gateway
-    stop_token_ids: tuple[int, ...] = ()  # stop when one of these is sampled (after min_tokens)
+    stop_token_ids: tuple[int, ...] = ()  # stop when one is sampled (after min_tokens); <= MAX_STOP_TOKEN_IDS
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     repetition_penalty: float = 1.0  # > 0; 1 = off (HF semantics, over prompt + output)
     presence_penalty: float = 0.0  # in [-2, 2]; over output tokens (OpenAI semantics)
@@ -61,6 +65,9 @@ class SamplingParams:
                 raise InvalidArgumentError("stop", "stop strings must be non-empty strings")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise InvalidArgumentError("stop", f"a stop string is longer than {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before the per-item loop: bound the work too
+            raise InvalidArgumentError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         if not isinstance(self.ignore_eos, bool):

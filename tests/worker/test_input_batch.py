@@ -11,7 +11,7 @@ from worker_service.input_batch import InputBatch
 
 
 def make_batch(**overrides) -> InputBatch:
-    values = dict(max_num_reqs=3, max_model_len=32, max_blocks_per_req=8)
+    values = dict(max_num_reqs=3, max_model_len=32, max_blocks_per_req=8, vocab_size=64, eos_token_ids=(2,))
     values.update(overrides)
     return InputBatch(**values)
 
