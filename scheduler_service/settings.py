@@ -37,7 +37,8 @@ class SchedulerSettings:
     long_prefill_token_threshold: int = setting(0, help="cap of one prefill chunk (0: off)")
     shared_prefill_token_threshold: int = setting(
         DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-        help="cap of one prefill chunk while other requests wait or run, for fair time to first token (0: off)")
+        help="cap of one prefill chunk while other requests wait for their first token, for fair time to first "
+             "token (0: off)")
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")

@@ -8,10 +8,10 @@ from servicekit.contract.errors import InvalidArgumentError
 
 POLICIES = ("fcfs", "priority")
 # A step's duration is what a newcomer waits before its first token, and a long prompt's chunk sets it.
-# While a step is shared, a chunk of 256 tokens keeps it short on a CPU worker (and leaves the rest of
-# the budget to others); alone, a prompt still takes the whole budget, so it is no slower than before
-# (benchmarks/ttft_fairness.py measures both).
-DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD = 256
+# While other requests wait for their first token, a chunk of 512 tokens keeps the step short on a CPU
+# worker and leaves the rest of the budget to their prompts; a prompt alone, or beside requests that
+# only decode, still takes the whole budget (benchmarks/ttft_fairness.py measures both).
+DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +25,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 128  # running requests at most
     long_prefill_token_threshold: int = 0  # a prefill chunk has at most this many tokens; 0 = off
-    # While other requests wait or run, a prefill chunk has at most this many tokens (0 = off): one
-    # long prompt cannot hold every newcomer's first token (time to first token stays fair).
+    # While other requests wait for their first token, a prefill chunk has at most this many tokens
+    # (0 = off): one long prompt cannot hold every newcomer's first token (time to first token stays fair).
     shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD
     enable_chunked_prefill: bool = True  # False: a prompt is scheduled whole or waits
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes

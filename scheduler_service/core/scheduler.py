@@ -286,16 +286,28 @@ class Scheduler:
 
     def _chunk_threshold(self) -> int:
         """The most tokens one request computes this step (0 = no cap): the hard cap, tightened to
-        the shared cap while more than one request is live, so a long prompt's chunks leave room
-        (and step time) for the others; a prompt alone keeps the whole budget."""
+        the shared cap while two or more requests still wait for their first token (waiting, or
+        prefilling), so a long prompt's chunks keep the step short and leave room for the others'
+        prompts. A prompt alone, or beside requests that only decode, keeps the whole budget."""
         cfg = self.config
         if not cfg.enable_chunked_prefill:
             return 0
         threshold = cfg.long_prefill_token_threshold
         shared = cfg.shared_prefill_token_threshold
-        if shared and len(self.requests) > 1 and not 0 < threshold <= shared:
+        if shared and not 0 < threshold <= shared and self._num_awaiting_first_token(limit=2) >= 2:
             threshold = shared
         return threshold
+
+    def _num_awaiting_first_token(self, limit: int) -> int:
+        """Requests that still have more than one token to compute (waiting ones, or prefilling),
+        counted up to ``limit``."""
+        count = min(len(self.waiting), limit)
+        for request in self.running:
+            if count >= limit:
+                break
+            if request.num_tokens - request.num_computed_tokens > 1:
+                count += 1
+        return count
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:

@@ -57,3 +57,16 @@ def test_the_shared_threshold_can_be_turned_off_and_a_tighter_hard_cap_wins():
     capped.add_request(short)
     out, _ = step(capped)
     assert out.num_scheduled_tokens == {long.request_id: 100, short.request_id: 4}
+
+
+def test_requests_that_only_decode_leave_the_long_prefill_the_whole_budget():
+    s = make_scheduler(**LONG_WORKER)
+    decoding = make_request(4, max_tokens=50)
+    s.add_request(decoding)
+    step(s)  # its prompt: now it only decodes
+    long = make_request(8000, max_tokens=4)
+    s.add_request(long)
+
+    out, _ = step(s)
+
+    assert out.num_scheduled_tokens == {decoding.request_id: 1, long.request_id: BUDGET - 1}
