@@ -21,6 +21,7 @@ from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.prompt import check_prompt
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import TokenLogprobs
 
@@ -216,6 +217,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(token_lists):
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(token_lists)} prompts")
+        info = self.runner.info
+        for ids, params in zip(token_lists, params_list):  # every prompt is checked before any runs
+            check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
         pending: dict[str, _Pending] = {}
         order: list[str] = []
         try:

@@ -78,7 +78,7 @@ def queued_request_from_record(data: bytes, output_token_ids=()) -> QueuedReques
     (bad sampling params) or google.protobuf DecodeError."""
     msg = queue_pb2.EngineRequest.FromString(data)
     request = Request(
-        msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params),
+        msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params, trusted=True),
         arrival_time=msg.arrival_time, priority=msg.priority, cache_salt=msg.cache_salt or None,
         output_token_ids=output_token_ids)
     return QueuedRequest(request, msg.deadline)

@@ -30,7 +30,7 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         new_reqs.append(NewRequestData(
             request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
             output_token_ids=list(r.output_token_ids),
-            sampling_params=sampling_params_from_pb(r.sampling_params),
+            sampling_params=sampling_params_from_pb(r.sampling_params, trusted=True),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens))
         num_scheduled[r.request_id] = r.num_scheduled_tokens
     cached_reqs = []

@@ -81,8 +81,8 @@ class InputBatch:
         num_tokens = num_prompt + len(new.output_token_ids)
         if not self._free_rows:
             raise ValueError(f"persistent batch is full ({self.max_num_reqs} requests); raise max_num_seqs")
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"request {new.request_id}: {num_tokens} tokens exceed max_model_len {self.max_model_len}")
+        # prompt + outputs within max_model_len was checked where the request entered (servicekit.contract.prompt)
+        assert num_tokens <= self.max_model_len, (new.request_id, num_tokens, self.max_model_len)
         if len(new.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"request {new.request_id}: {len(new.block_ids)} blocks exceed {self.max_blocks_per_req}")
         if new.sampling_params.seed is None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import random
+from dataclasses import dataclass, fields, replace
 
 from servicekit.contract.errors import InvalidArgumentError
 
@@ -85,8 +86,27 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def with_seed(self, seed: int) -> SamplingParams:
-        """A copy with ``seed`` set (used at admission for requests that came without one)."""
+        """A copy with ``seed`` set (validated like any field)."""
         return replace(self, seed=seed)
+
+    def seeded(self, rng: random.Random) -> SamplingParams:
+        """The one place a seed is assigned (DESIGN.md decision 6): ``self`` when it has one, else a
+        copy with a seed drawn from ``rng`` (the gateway's at admission, the offline engine's)."""
+        if self.seed is not None:
+            return self
+        return self.trusted(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "seed"},
+                            seed=rng.randrange(SEED_RANGE))
+
+    @classmethod
+    def trusted(cls, **values) -> SamplingParams:
+        """An instance from values that were validated where they entered (a record decoded by an
+        inner service): not checked again. Unnamed fields take their defaults."""
+        params = object.__new__(cls)
+        for f in fields(cls):
+            object.__setattr__(params, f.name, values.pop(f.name) if f.name in values else f.default)
+        if values:
+            raise TypeError(f"unknown sampling parameters: {', '.join(sorted(values))}")
+        return params
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -14,13 +14,13 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.worker_client import WorkerClient, connect
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.contract.step import WorkerInfo
+from servicekit.contract.worker import WorkerDescription
 from worker_service.grpc_server import WorkerServicer, build_server
 from worker_service.simulated_runner import SimulatedRunner
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio]
 
-INFO = WorkerInfo(model="m", num_blocks=64, block_size=4, max_model_len=128, vocab_size=1000, eos_token_ids=(2,))
+INFO = WorkerDescription(model="m", num_blocks=64, block_size=4, max_model_len=128, vocab_size=1000, eos_token_ids=(2,))
 
 
 @pytest_asyncio.fixture
