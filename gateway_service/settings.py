@@ -7,9 +7,10 @@ import uuid
 from dataclasses import dataclass
 
 from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.ports import GATEWAY_PORT
 from servicekit.redis_keys import RedisKeys
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = GATEWAY_PORT
 
 
 @dataclass(frozen=True, slots=True)

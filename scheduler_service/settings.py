@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.ports import SCHEDULER_PORT
 from servicekit.redis_keys import RedisKeys
 
-DEFAULT_PORT = 50052
+DEFAULT_PORT = SCHEDULER_PORT
 
 
 def default_consumer() -> str:

@@ -25,6 +25,7 @@ from servicekit.flags import (
     setting,
     settings_kwargs,
 )
+from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat
 from servicekit.serving import service_main
@@ -33,7 +34,7 @@ from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
 
-DEFAULT_PORT = 50061
+DEFAULT_PORT = WORKER_PORT
 
 
 @dataclass(frozen=True, slots=True)
