@@ -71,7 +71,8 @@ async def test_request_submitted_while_the_engine_publishes_a_refusal_is_not_lef
     engine = make_engine(queue)
     task = asyncio.create_task(engine.run())
     queue.gate.clear()
-    engine.submit(make_request("too-long", max_tokens=INFO.max_model_len), "entry-refused")
+    # more KV than the worker has: the core refuses it (the length rule was checked at the gateway)
+    engine.submit(make_request("too-big", max_tokens=INFO.num_blocks * INFO.block_size), "entry-refused")
     await queue.publishing.wait()  # the engine is publishing the refusal; its core is empty
     engine.submit(make_request("b"), "entry-b")
     queue.gate.set()
