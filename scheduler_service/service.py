@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
+from servicekit import redis_client
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
@@ -111,9 +112,7 @@ class SchedulerApp:
 
         s = self.settings
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+            self._redis = redis_client.connect(s)
         await ensure_request_group(self._redis, self.keys)
         self.queue = RedisQueue(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
         self.lifecycle = build_server(self)

@@ -25,6 +25,7 @@ from servicekit.flags import (
     service_parser,
     settings_kwargs,
 )
+from servicekit import redis_client
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat, WorkerRecord
 from servicekit.serving import service_main
@@ -48,6 +49,9 @@ class WorkerSettings:
                                               "--host/--port)")
     worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
     redis_url: str = redis_url_setting("")
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
     drain_grace_s: float = drain_grace_setting()
@@ -68,6 +72,7 @@ class WorkerSettings:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
         if self.step_delay_s < 0:
             raise ValueError(f"step_delay_s: must be >= 0, got {self.step_delay_s}")
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)  # validates the prefix
 
     def address_for(self, port: int) -> str:
@@ -118,10 +123,8 @@ class WorkerApp:
         await self.lifecycle.start()
         self.address = s.address_for(port)
         info = self._runner.info
-        if s.redis_url:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+        if redis_client.uses_redis(s):
+            self._redis = redis_client.connect(s)
             record = WorkerRecord(
                 worker_id=s.worker_id, address=self.address, model=info.model, num_blocks=info.num_blocks,
                 block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
