@@ -113,8 +113,9 @@ def new_cluster(tiny_model_dir, tmp_path):
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.when == "call" and report.failed:
-        clusters = [item.funcargs.get("chaos_stack"), *getattr(item.funcargs.get("new_cluster"), "clusters", ())]
-        logs = "\n".join(c.logs() for c in clusters if c is not None)
+        clusters = [v for v in item.funcargs.values() if isinstance(v, LocalCluster)]
+        clusters += getattr(item.funcargs.get("new_cluster"), "clusters", [])
+        logs = "\n".join(c.logs() for c in clusters)
         if logs:  # the services' logs explain most chaos failures
             report.sections.append(("service logs", logs))
     return report

@@ -22,9 +22,9 @@ from gateway_service.request_queue import RequestDigests, RequestQueue
 from pagedserve.local_cluster import LocalCluster
 from servicekit import redis_client
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
 
-from .conftest import redis_server_binary, wait_for_async
+from .conftest import PREFIX, redis_server_binary, start_cluster, wait_for_async
 from .streams import assert_exactly_the_fault_free_outputs, assert_surviving_pools_all_free, streams_with_a_fault
 
 pytestmark = [pytest.mark.chaos, pytest.mark.service, pytest.mark.slow, pytest.mark.asyncio]
@@ -45,8 +45,35 @@ def replica_of(stack: LocalCluster):
     return next(p for p in stack.live("redis") if p is not stack.redis)
 
 
-async def test_kill_the_redis_primary_mid_generation(new_cluster, expected):
-    stack = new_cluster(num_workers=2, num_schedulers=2, num_gateways=2, redis_ha=True)
+@pytest.fixture(scope="module")
+def ha_stack(tiny_model_dir, tmp_path_factory):
+    """Primary + replica + 3 Sentinels, 2 workers, 2 schedulers, 2 gateways, for the module."""
+    cluster = start_cluster(tmp_path_factory.mktemp("redis-ha"), tiny_model_dir, num_workers=2, num_schedulers=2,
+                            num_gateways=2, redis_ha=True)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def test_requests_delivered_again_after_a_failover_run_once_more_with_the_same_tokens(ha_stack, expected):
+    """What a failover does to the consumer group when the replica had the request entries but not
+    their latest deliveries (replication is asynchronous): the group's delivery cursor goes back,
+    and the schedulers pull requests they (or the other one) already run."""
+    stack = ha_stack
+    gateways = [g.address for g in stack.live("gateway")]
+
+    async def rewind_the_group() -> None:
+        with redis.Redis(port=stack.primary_port()) as primary:
+            primary.xgroup_setid(PREFIX + "requests", SCHEDULER_GROUP, "0")
+
+    logs = await streams_with_a_fault(gateways, PROMPTS, MAX_TOKENS, rewind_the_group)
+    assert_exactly_the_fault_free_outputs(logs, expected, MAX_TOKENS)
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_kill_the_redis_primary_mid_generation(ha_stack, expected):
+    stack = ha_stack
     replica = replica_of(stack)
     gateways = [g.address for g in stack.live("gateway")]
 
