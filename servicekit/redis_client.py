@@ -103,4 +103,15 @@ def connect(settings: RedisSettings):
         sentinel_kwargs={"password": settings.redis_sentinel_password or None, "ssl": tls, **tls_options,
                          "socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S},
         ssl=tls, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True, **primary)
-    return sentinel.master_for(settings.redis_master_name)
+
+    class SentinelRedis(aioredis.Redis):
+        """The primary's client; closing the one that owns the pool also closes the connections to
+        the Sentinels (a single-connection client from ``client()`` owns neither)."""
+
+        async def aclose(self, close_connection_pool: bool | None = None) -> None:
+            owner = self.auto_close_connection_pool if close_connection_pool is None else close_connection_pool
+            await super().aclose(close_connection_pool)
+            if owner:
+                await sentinel.aclose()
+
+    return sentinel.master_for(settings.redis_master_name, redis_class=SentinelRedis)

@@ -1,9 +1,12 @@
 """Redis that survives losing its primary: a primary + a replica + three Sentinels as processes,
 the services reaching Redis through the Sentinels (``--redis-sentinels``).
 
+- rewind the consumer group's delivery cursor while 16 greedy streams are mid-generation (what a
+  failover does when the replica lacked the last deliveries): requests delivered again are not
+  run twice by the scheduler holding them, and run by another scheduler give the same tokens;
 - kill -9 the primary while 16 greedy streams are mid-generation: the Sentinels promote the
   replica, every service reconnects to it, every stream completes with each output index once and
-  the tokens of a run without faults, and every worker's block pool returns to all free.
+  the tokens of a run without faults, and every worker's block pool returns to all free;
 - admissions are durable before the gateway acknowledges them: with a replica present, ``admit``
   returns once the replica holds the request (``WAIT 1``); a replica that cannot answer is waited
   for no longer than the timeout and counted.
