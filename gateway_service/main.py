@@ -12,10 +12,10 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
+from gateway_service.settings import GatewaySettings
 from servicekit import redis_client
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import service_main
-from gateway_service.settings import GatewaySettings
 
 log = logging.getLogger("pagedserve.gateway")
 

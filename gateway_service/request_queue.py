@@ -124,10 +124,10 @@ class RequestQueue:
         an output stream already (nothing is written then). With replicas present and waiting on,
         returns once a replica holds the admission (or ``replica_wait_ms`` passed)."""
         keys = self._keys
-        admission = dict(
-            keys=[keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
-            args=[SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
-                  digests.prompt, digests.params])
+        admission = {
+            "keys": [keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
+            "args": [SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
+                     digests.prompt, digests.params]}
         if not await self._replicas_present():
             result = await self._admit(**admission)
         else:

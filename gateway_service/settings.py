@@ -6,11 +6,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit import redis_client
+from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.ports import GATEWAY_PORT
 from servicekit.redis_keys import RedisKeys
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = GATEWAY_PORT
 REPLICA_WAIT_MODES = ("auto", "on", "off")
 
 

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.launcher import REPO_ROOT, find_redis_server, free_port, redis_pings
+from servicekit.redis_keys import DEFAULT_PREFIX
 
 
 @dataclasses.dataclass
@@ -57,7 +58,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, interva
 class LocalCluster:
     """Processes under ``workdir`` (logs, Redis' append-only file), all under one key prefix."""
 
-    def __init__(self, workdir: Path, *, key_prefix: str = "ps:", log_level: str = "INFO",
+    def __init__(self, workdir: Path, *, key_prefix: str = DEFAULT_PREFIX, log_level: str = "INFO",
                  env: dict[str, str] | None = None) -> None:
         self.workdir = Path(workdir)
         self.key_prefix = key_prefix

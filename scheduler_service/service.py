@@ -30,11 +30,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
-from servicekit import redis_client
-from servicekit.redis_keys import RedisKeys, ensure_request_group
-from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
-from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
@@ -42,6 +38,10 @@ from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.workers import WorkerPool
+from servicekit import redis_client
+from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
+from servicekit.redis_keys import RedisKeys, ensure_request_group
+from servicekit.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class SchedulerApp:
 
     def stats(self) -> ServiceStats:
         return ServiceStats(self.num_finished, self.num_aborted, [
-            WorkerStatsView(e.address, e.description.info.model, e.connected, e.num_steps, e.core.stats(),
+            WorkerStatsView(e.address, e.description.model, e.connected, e.num_steps, e.core.stats(),
                             e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing)
             for e in self.engines.values()],
             self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over)

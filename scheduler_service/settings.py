@@ -8,12 +8,13 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from servicekit import redis_client
+from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.ports import SCHEDULER_PORT
 from servicekit.redis_keys import RedisKeys
-from scheduler_service.core.config import POLICIES
 
-DEFAULT_PORT = 50052
+DEFAULT_PORT = SCHEDULER_PORT
 
 
 def default_consumer() -> str:
@@ -39,6 +40,10 @@ class SchedulerSettings:
     max_num_seqs: int = setting(0, help="running requests per worker (0: the worker's batch size; never more)")
     max_num_batched_tokens: int = setting(0, help="token budget of one step (0: the worker's limit; never more)")
     long_prefill_token_threshold: int = setting(0, help="cap of one prefill chunk (0: off)")
+    shared_prefill_token_threshold: int = setting(
+        DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+        help="cap of one prefill chunk while other requests wait for their first token, for fair time to first "
+             "token (0: off)")
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
@@ -68,7 +73,7 @@ class SchedulerSettings:
         redis_client.validate(self)
         RedisKeys(self.key_prefix)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                     "max_queued_per_worker"):
+                     "shared_prefill_token_threshold", "max_queued_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:

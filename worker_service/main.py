@@ -17,24 +17,25 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from servicekit import redis_client
 from servicekit.flags import (
     drain_grace_setting,
     key_prefix_setting,
     redis_url_setting,
-    setting,
     service_parser,
+    setting,
     settings_kwargs,
 )
-from servicekit import redis_client
+from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat, WorkerRecord
+from servicekit.registry import Heartbeat
 from servicekit.serving import service_main
 from worker_service.config import ModelRunnerConfig
 from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
 
-DEFAULT_PORT = 50061
+DEFAULT_PORT = WORKER_PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +126,7 @@ class WorkerApp:
         info = self._runner.info
         if redis_client.uses_redis(s):
             self._redis = redis_client.connect(s)
-            record = WorkerRecord(
-                worker_id=s.worker_id, address=self.address, model=info.model, num_blocks=info.num_blocks,
-                block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                eos_token_ids=tuple(info.eos_token_ids))
+            record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()
         log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d, attention %s)",
@@ -143,7 +141,7 @@ class WorkerApp:
 
     @property
     def info(self):
-        """The runner's WorkerInfo (model, KV blocks, limits)."""
+        """The runner's WorkerDescription (model, KV blocks, limits)."""
         return self._runner.info
 
     async def drain(self, grace_s: float | None = None) -> None:

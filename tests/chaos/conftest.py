@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from pagedserve.local_cluster import LocalCluster
 from services.conftest import (  # noqa: F401  (fixtures re-exported for this folder)
     MAX_NUM_SEQS,
     NUM_BLOCKS,
@@ -23,6 +21,8 @@ from services.conftest import (  # noqa: F401  (fixtures re-exported for this fo
     redis_server_binary,
     tiny_model_dir,
 )
+
+from pagedserve.local_cluster import LocalCluster
 
 PREFIX = "chaos:"
 FAULT_TIMES = ["--lease-ttl-s", "2", "--reclaim-idle-s", "2", "--discovery-interval-s", "0.25"]
