@@ -38,6 +38,7 @@ from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.workers import WorkerPool
+from servicekit import redis_client
 from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
@@ -111,9 +112,7 @@ class SchedulerApp:
 
         s = self.settings
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+            self._redis = redis_client.connect(s)
         await ensure_request_group(self._redis, self.keys)
         self.queue = RedisQueue(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
         self.lifecycle = build_server(self)
@@ -220,6 +219,11 @@ class SchedulerApp:
             await self._finish_unstarted(entry.entry_id, entry.request_id, field, str(exc))
             return
         rid = queued.request.request_id
+        if self._holds(rid):
+            # Delivered to us again: after a Redis failover the group's delivery cursor can be older
+            # than what we pulled (the promoted replica lacked the last deliveries). Ours already.
+            log.info("request %s delivered again (a Redis failover?): already held here", rid)
+            return
         if self._recent_aborts.pop(rid, None) is not None:
             await self._finish_unstarted(entry.entry_id, rid, "", "aborted before it was scheduled")
             return
@@ -232,6 +236,10 @@ class SchedulerApp:
         else:
             self._backlog.append((queued.request, entry.entry_id))
         self._route_backlog()
+
+    def _holds(self, request_id: str) -> bool:
+        return (any(engine.owns(request_id) for engine in self.engines.values())
+                or any(request.request_id == request_id for request, _ in self._backlog))
 
     def _route_backlog(self) -> None:
         """Hand waiting requests to engines (``scheduler_service.routing``); with no engine taking

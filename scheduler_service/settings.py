@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
+from servicekit import redis_client
 from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit.ports import SCHEDULER_PORT
 from servicekit.redis_keys import RedisKeys
@@ -30,6 +31,9 @@ class SchedulerSettings:
     port: int = setting(DEFAULT_PORT, help="port of the stats/health server (0 = any)")
     consumer: str = setting(default_factory=default_consumer, help="consumer name in the Redis group")
     redis_url: str = redis_url_setting()
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     drain_grace_s: float = drain_grace_setting()
     # Batching, per worker (0 = the worker's own limit; never more than it).
@@ -66,6 +70,7 @@ class SchedulerSettings:
         return self.reclaim_idle_s / 5
 
     def __post_init__(self) -> None:
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                      "shared_prefill_token_threshold", "max_queued_per_worker"):

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from servicekit import redis_client
 from servicekit.flags import (
     drain_grace_setting,
     key_prefix_setting,
@@ -49,6 +50,9 @@ class WorkerSettings:
                                               "--host/--port)")
     worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
     redis_url: str = redis_url_setting("")
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
     drain_grace_s: float = drain_grace_setting()
@@ -69,6 +73,7 @@ class WorkerSettings:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
         if self.step_delay_s < 0:
             raise ValueError(f"step_delay_s: must be >= 0, got {self.step_delay_s}")
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)  # validates the prefix
 
     def address_for(self, port: int) -> str:
@@ -119,10 +124,8 @@ class WorkerApp:
         await self.lifecycle.start()
         self.address = s.address_for(port)
         info = self._runner.info
-        if s.redis_url:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+        if redis_client.uses_redis(s):
+            self._redis = redis_client.connect(s)
             record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()
