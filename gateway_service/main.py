@@ -12,11 +12,11 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from servicekit.flags import service_parser, settings_kwargs
-from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
-from servicekit.redis_connect import connect_redis
-from servicekit.serving import StartupError, is_loopback, service_main
 from gateway_service.settings import GatewaySettings
+from servicekit import redis_client
+from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
+from servicekit.flags import service_parser, settings_kwargs
+from servicekit.serving import StartupError, is_loopback, service_main
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -48,14 +48,16 @@ class GatewayApp:
         keys = RedisKeys(s.key_prefix)
         api_keys = self._key_store()
         if self._redis is None:
-            self._redis = await connect_redis(s.redis_url)
+            self._redis = redis_client.connect(s)
+            await redis_client.check_credentials(self._redis, s)
         if self._hf_tokenizer is None:
             self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
         self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
         self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,
                                     outage_s=s.redis_outage_s)
-        queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s)
+        queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s,
+                             replica_wait_ms=s.admission_replica_wait_ms)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
                                          limits=self._limits, queue=queue, fanout=self._fanout,
                                          prompt_bytes_per_token=s.prompt_bytes_per_token,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from servicekit import redis_client
 from servicekit.flags import (
     drain_grace_setting,
     key_prefix_setting,
@@ -15,10 +16,12 @@ from servicekit.flags import (
     tls_cert_setting,
     tls_key_setting,
 )
+from servicekit.ports import GATEWAY_PORT
 from servicekit.tls import TlsFiles
 from servicekit.redis_keys import RedisKeys
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = GATEWAY_PORT
+REPLICA_WAIT_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,9 @@ class GatewaySettings:
     host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
     port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
     redis_url: str = redis_url_setting()
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     max_queued_requests: int = setting(
         1024, help="requests waiting in Redis beyond which Generate answers RESOURCE_EXHAUSTED (0: no limit)")
@@ -39,6 +45,12 @@ class GatewaySettings:
     read_block_ms: int = setting(1000, help="longest blocking XREAD of the output fan-out loop")
     redis_outage_s: float = setting(10.0, help="live streams fail with UNAVAILABLE (the SDK resumes them) after "
                                                "this long without Redis")
+    wait_for_replica: str = setting(
+        "auto", choices=REPLICA_WAIT_MODES,
+        help="before a stream starts, wait until a replica holds its admission (WAIT 1), whenever the primary has "
+             "replicas, so a failover loses no admitted request: on, off, or auto (on with --redis-sentinels)")
+    replica_wait_ms: int = setting(1000, help="longest wait for a replica's acknowledgement; past it the request "
+                                              "is admitted anyway and a warning logged")
     gateway_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="names this gateway's wake stream")
     drain_grace_s: float = drain_grace_setting()
     # The most UTF-8 bytes one token covers, as far as sizing goes: 16 leaves room for long tokens
@@ -72,7 +84,14 @@ class GatewaySettings:
     def tls(self) -> TlsFiles:
         return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
+    @property
+    def admission_replica_wait_ms(self) -> int:
+        """How long an admission waits for a replica's acknowledgement (0: it does not wait)."""
+        on = self.wait_for_replica == "on" or (self.wait_for_replica == "auto" and redis_client.uses_sentinel(self))
+        return self.replica_wait_ms if on else 0
+
     def __post_init__(self) -> None:
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)
         self.tls.check(server=True)
         for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0),
@@ -87,6 +106,10 @@ class GatewaySettings:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.redis_outage_s <= 0:
             raise ValueError(f"redis_outage_s: must be positive, got {self.redis_outage_s}")
+        if self.wait_for_replica not in REPLICA_WAIT_MODES:
+            raise ValueError(f"wait_for_replica: must be one of {REPLICA_WAIT_MODES}, got {self.wait_for_replica!r}")
+        if self.replica_wait_ms < 1:
+            raise ValueError(f"replica_wait_ms: must be >= 1, got {self.replica_wait_ms}")
         if self.prompt_bytes_per_token < 1:
             raise ValueError(f"prompt_bytes_per_token: must be >= 1, got {self.prompt_bytes_per_token}")
         if self.output_ttl_s < 1 or self.registry_refresh_s <= 0 or self.read_block_ms < 1:

@@ -10,13 +10,13 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from scheduler_service import convert
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
+from servicekit.contract.worker import WorkerDescription
 from servicekit.grpc_auth import bearer_metadata
 from servicekit.proto.channel import CHANNEL_OPTIONS
+from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.tls import TlsFiles, aio_channel
-from scheduler_service import convert
-from scheduler_service.convert import WorkerDescription
-from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -17,28 +17,30 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from servicekit import redis_client
 from servicekit.flags import (
     drain_grace_setting,
     internal_token_setting,
     key_prefix_setting,
     redis_url_setting,
-    setting,
     service_parser,
+    setting,
     settings_kwargs,
     tls_ca_setting,
     tls_cert_setting,
     tls_key_setting,
 )
-from servicekit.tls import TlsFiles
+from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat, WorkerRecord
+from servicekit.registry import Heartbeat
 from servicekit.serving import is_loopback, service_main
+from servicekit.tls import TlsFiles
 from worker_service.config import ModelRunnerConfig
 from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
 
-DEFAULT_PORT = 50061
+DEFAULT_PORT = WORKER_PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,9 @@ class WorkerSettings:
                                               "--host/--port)")
     worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
     redis_url: str = redis_url_setting("")
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
     drain_grace_s: float = drain_grace_setting()
@@ -88,6 +93,7 @@ class WorkerSettings:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
         if self.step_delay_s < 0:
             raise ValueError(f"step_delay_s: must be >= 0, got {self.step_delay_s}")
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)  # validates the prefix
 
     def address_for(self, port: int) -> str:
@@ -133,10 +139,9 @@ class WorkerApp:
         self.servicer = WorkerServicer(
             self._runner, worker_id=s.worker_id, max_num_seqs=s.runner.max_num_seqs,
             max_num_batched_tokens=s.runner.max_num_batched_tokens, step_delay_s=s.step_delay_s)
-        if s.redis_url:  # first: wrong credentials stop the worker before it listens
-            from servicekit.redis_connect import connect_redis
-
-            self._redis = await connect_redis(s.redis_url)
+        if redis_client.uses_redis(s):  # first: wrong credentials stop the worker before it listens
+            self._redis = redis_client.connect(s)
+            await redis_client.check_credentials(self._redis, s)
         if not s.tls.enabled and not s.internal_token and not is_loopback(s.host):
             log.warning("no TLS and no internal token: anyone who reaches %s:%d may drive this worker", s.host, s.port)
         self.lifecycle = build_server(self.servicer, internal_token=s.internal_token)
@@ -144,11 +149,8 @@ class WorkerApp:
         await self.lifecycle.start()
         self.address = s.address_for(port)
         info = self._runner.info
-        if s.redis_url:
-            record = WorkerRecord(
-                worker_id=s.worker_id, address=self.address, model=info.model, num_blocks=info.num_blocks,
-                block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                eos_token_ids=tuple(info.eos_token_ids))
+        if redis_client.uses_redis(s):
+            record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()
         log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d, attention %s)",
@@ -163,7 +165,7 @@ class WorkerApp:
 
     @property
     def info(self):
-        """The runner's WorkerInfo (model, KV blocks, limits)."""
+        """The runner's WorkerDescription (model, KV blocks, limits)."""
         return self._runner.info
 
     async def drain(self, grace_s: float | None = None) -> None:

@@ -5,10 +5,13 @@ traceback, no retry loop, no password in the message. A real redis-server with `
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from services.conftest import start_redis_server, stop_redis_server
 
-from servicekit.redis_connect import connect_redis, redacted
+from servicekit import redis_client
+from servicekit.redis_client import redacted
 from servicekit.serving import StartupError
 
 
@@ -24,6 +27,14 @@ def locked_redis(tmp_path_factory):
                                 "--user", USER, "on", f">{USER_PASSWORD}", "~sec*", "&*", "+@all")
     yield server.port
     stop_redis_server(server)
+
+
+async def connect_redis(url: str):
+    """What every service does at start-up: its client, then the credentials check."""
+    settings = SimpleNamespace(redis_url=url, redis_sentinels=(), redis_master_name="", redis_sentinel_password="")
+    client = redis_client.connect(settings)
+    await redis_client.check_credentials(client, settings)
+    return client
 
 
 def _url(port: int, credentials: str = "") -> str:

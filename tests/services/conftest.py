@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from servicekit.proto import gen
 from pagedserve.launcher import find_redis_server, free_port, redis_pings
+from servicekit.proto import gen
 
 if gen.is_stale():  # the generated code is git-ignored; `make gen` normally writes it
     gen.generate()

@@ -12,8 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import ResourceExhaustedError, UnavailableError
+from servicekit.contract.worker import WorkerDescription
 from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat, WorkerRecord
+from servicekit.registry import Heartbeat
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 
@@ -81,7 +82,7 @@ async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer, r
     keys = RedisKeys("qlimit:")
     redis = aioredis.from_url(redis_server.url)
     info = stack.worker.info  # what a worker of this model registers
-    heartbeat = Heartbeat(redis, keys, WorkerRecord(
+    heartbeat = Heartbeat(redis, keys, WorkerDescription(
         worker_id="absent", address="127.0.0.1:1", model=stack.model, num_blocks=info.num_blocks,
         block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids), ttl_s=30)
