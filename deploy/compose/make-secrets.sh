@@ -13,11 +13,12 @@ umask 077
 rand() { openssl rand -hex 24; }
 gw=$(rand); sc=$(rand); wk=$(rand)
 # Key patterns assume the default key prefix "ps:". Workers only write their registry entries.
+# INFO: gateways read the replica count for durable admissions (with Sentinels).
 cat > "$secrets/redis.acl" <<ACL
 user default off
 user health on nopass -@all +ping
-user gateway on >$gw ~ps:* &* +@all -@dangerous
-user scheduler on >$sc ~ps:* &* +@all -@dangerous
+user gateway on >$gw ~ps:* &* +@all -@dangerous +info
+user scheduler on >$sc ~ps:* &* +@all -@dangerous +info
 user worker on >$wk ~ps:workers:* +@all -@dangerous
 ACL
 printf 'redis://gateway:%s@redis:6379/0' "$gw" > "$secrets/redis_url_gateway"

@@ -37,7 +37,9 @@ VOCAB_EDGE = 49152  # SmolLM2's vocabulary size: ids around it probe the bound
 INT32 = st.one_of(st.integers(-2**31, 2**31 - 1), st.sampled_from([0, 1, -1, 2**31 - 1, -2**31]))
 DOUBLE = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1e308, -1e-308]))
 UINT32 = st.one_of(st.integers(0, 2**32 - 1), st.integers(VOCAB_EDGE - 2, VOCAB_EDGE + 2), st.integers(0, 200))
-TEXT = st.one_of(st.text(max_size=64), st.text(alphabet=st.characters(min_codepoint=0x80), max_size=32),
+# Any encodable text (protobuf strings are UTF-8: invalid bytes on the wire are RAW_BYTES' part).
+UNICODE = st.characters(codec="utf-8")
+TEXT = st.one_of(st.text(UNICODE, max_size=64), st.text(st.characters(min_codepoint=0x80, codec="utf-8"), max_size=32),
                  st.just(""), st.just("x" * 20_000))
 
 
@@ -92,10 +94,10 @@ def generate_requests(draw) -> bytes:
 def plausible_requests(draw) -> bytes:
     """Mostly valid requests with random text and small edits: the paths past validation (admission,
     streaming, cancellation) get fuzzed too, not only the refusals."""
-    request = generation_pb2.GenerateRequest(prompt=draw(st.text(min_size=1, max_size=40)))
+    request = generation_pb2.GenerateRequest(prompt=draw(st.text(UNICODE, min_size=1, max_size=40)))
     request.sampling_params.max_tokens = draw(st.integers(1, 4))
     request.sampling_params.temperature = draw(st.floats(0, 2))
-    request.sampling_params.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=3)))
+    request.sampling_params.stop.extend(draw(st.lists(st.text(UNICODE, min_size=1, max_size=8), max_size=3)))
     if draw(st.booleans()):
         request.sampling_params.logprobs = draw(st.integers(0, 30))
     if draw(st.booleans()):
