@@ -49,7 +49,7 @@ class Subscription:
     more: ``overflowed`` is set, :class:`SlowReaderError` is queued and ``on_overflow`` called, so
     the call can be ended at once rather than when its client reads again."""
 
-    __slots__ = ("key", "last_id", "queue", "max_pending", "pending", "overflowed", "on_overflow")
+    __slots__ = ("key", "last_id", "max_pending", "on_overflow", "overflowed", "pending", "queue")
 
     def __init__(self, key: str, start_id: str = "0-0", *, max_pending: int = 0, on_overflow=None) -> None:
         self.key = key

@@ -17,8 +17,8 @@ from servicekit.flags import (
     tls_key_setting,
 )
 from servicekit.ports import GATEWAY_PORT
-from servicekit.tls import TlsFiles
 from servicekit.redis_keys import RedisKeys
+from servicekit.tls import TlsFiles
 
 DEFAULT_PORT = GATEWAY_PORT
 REPLICA_WAIT_MODES = ("auto", "on", "off")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from scheduler_service import convert
-from servicekit.proto.pb import SCHEDULER_ADMIN_SERVICE, scheduler_pb2_grpc
 from servicekit.grpc_auth import internal_interceptors
+from servicekit.proto.pb import SCHEDULER_ADMIN_SERVICE, scheduler_pb2_grpc
 from servicekit.serving import ServerLifecycle
 
 

@@ -21,8 +21,8 @@ from servicekit.flags import (
     tls_key_setting,
 )
 from servicekit.ports import SCHEDULER_PORT
-from servicekit.tls import TlsFiles
 from servicekit.redis_keys import RedisKeys
+from servicekit.tls import TlsFiles
 
 DEFAULT_PORT = SCHEDULER_PORT
 

@@ -18,8 +18,8 @@ from typing import Protocol
 from servicekit.contract.errors import FailedPreconditionError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
-from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.grpc_auth import internal_interceptors
+from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.serving import ServerLifecycle
 from worker_service import convert
 

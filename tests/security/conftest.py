@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-
 from services.conftest import (  # noqa: F401  (fixtures re-exported for this folder)
     MAX_NUM_SEQS,
     NUM_BLOCKS,
@@ -22,6 +21,7 @@ from services.conftest import (  # noqa: F401  (fixtures re-exported for this fo
     redis_server,
     tiny_model_dir,
 )
+
 from servicekit.tls import TlsFiles
 
 PREFIX = "sec:"

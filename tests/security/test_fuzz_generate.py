@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from servicekit.grpc_auth import bearer_metadata
-from servicekit.proto.pb import generation_pb2, generation_pb2_grpc, sampling_pb2
+from servicekit.proto.pb import generation_pb2, sampling_pb2
 from servicekit.tls import sync_channel
 
 from .conftest import KEYS

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pagedserve.aio_client import AsyncClient
 from pagedserve import wire
+from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import AlreadyExistsError, ResourceExhaustedError, UnauthenticatedError
 from servicekit.grpc_auth import bearer_metadata
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc

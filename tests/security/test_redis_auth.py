@@ -14,7 +14,6 @@ from servicekit import redis_client
 from servicekit.redis_client import redacted
 from servicekit.serving import StartupError
 
-
 ADMIN_PASSWORD = "admin-secret-pw"
 USER, USER_PASSWORD = "pagedserve", "user-secret-pw"
 
