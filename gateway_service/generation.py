@@ -32,6 +32,7 @@ from gateway_service.model_limits import ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.text import OutputText, PromptTokenizer
+from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.api import ModelInfo, Usage
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
 from servicekit.contract.prompt import check_prompt
@@ -49,8 +50,12 @@ class GenerationService:
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
-                 prompt_bytes_per_token: int = 16) -> None:
+                 prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
+                 tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0) -> None:
+        self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
+        self._max_buffered = max_buffered_outputs
         self.model = model
+        self._per_key = per_key or ConcurrencyLimits(0)
         self._prompt_bytes_per_token = prompt_bytes_per_token
         self._keys = keys
         self.tokenizer = tokenizer
@@ -113,10 +118,13 @@ class GenerationService:
 
     # -- Generate -------------------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None) -> AsyncIterator[GenerateChunk]:
+    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None,
+                       owner: str = "") -> AsyncIterator[GenerateChunk]:
         """Admit the request (or, resuming, join it as one more reader after checking the input
         matches) and yield its chunks; the last has ``finish_reason`` and ``usage``. Closing the
-        iterator early (client gone, deadline) aborts the request when no other call reads it."""
+        iterator early (client gone, deadline) aborts the request when no other call reads it.
+        ``owner``: the digest of the caller's API key; the request belongs to it, and only the
+        same key may resume it (``""``: no keys configured)."""
         if self.draining:
             raise UnavailableError("the gateway is draining; use another replica")
         deadline = time.time() + timeout_s if timeout_s else 0.0  # from the call's start, tokenizing included
@@ -129,27 +137,35 @@ class GenerationService:
         params = inp.sampling_params
         digests = convert.request_digests(prompt_ids, params)  # as given: a resume repeats the unseeded params
         params = params.seeded(self._rng)  # decision 6: a seed at admission makes every replay identical
-        request_id = inp.request_id or uuid.uuid4().hex
+        request_id = inp.request_id or uuid.uuid4().hex  # 122 random bits: not guessable
+        self._tokens_per_key.check(owner)
+        self._per_key.acquire(owner)
         self._enter()
-        sub = self._fanout.subscribe(self._keys.output(request_id))
+        # A client that stops reading fills this call's buffer: the request is aborted at once (as
+        # for a client gone); the call ends with RESOURCE_EXHAUSTED when, or if, its client reads on.
+        sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered,
+                                     on_overflow=lambda: self._on_slow_reader(request_id))
         reading = finished = False  # reading: counted among the request's readers in Redis
         try:
             try:
                 if inp.resume_from_index is not None:
-                    await self._queue.join(request_id, digests, self._fanout.wake_key)
+                    await self._queue.join(request_id, digests, self._fanout.wake_key, owner)
                 else:
                     record = convert.engine_request_to_record(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
-                    await self._queue.admit(request_id, record, digests, self._fanout.wake_key)
+                    await self._queue.admit(request_id, record, digests, self._fanout.wake_key, owner)
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             reading = True
+            if inp.resume_from_index is None:
+                self._tokens_per_key.charge(owner, len(prompt_ids))
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
             try:
                 async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
+                    self._tokens_per_key.charge(owner, len(chunk.token_ids))
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
@@ -165,6 +181,7 @@ class GenerationService:
                     log.info("request %s left by a client: aborting it unless another call reads it", request_id)
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
+            self._per_key.release(owner)
 
     async def _stream(self, request_id: str, sub: Subscription, prompt_ids: list[int], params: SamplingParams,
                       inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
@@ -230,6 +247,11 @@ class GenerationService:
             await self._queue.abort(request_id)
         except Exception as exc:  # Redis away: the scheduler finishes it at max_tokens anyway
             log.warning("could not publish abort of %s: %s", request_id, exc)
+
+    def _on_slow_reader(self, request_id: str) -> None:
+        log.info("request %s: its client stopped reading (%d output records waiting); aborting it", request_id,
+                 self._max_buffered)
+        self._in_background(self._abort(request_id))
 
     async def _leave(self, request_id: str, *, abort: bool) -> None:
         try:

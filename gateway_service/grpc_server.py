@@ -9,6 +9,9 @@ from contextlib import aclosing
 
 from gateway_service import convert
 from gateway_service.generation import GenerationService
+from gateway_service.settings import GatewaySettings
+from servicekit.auth import KeyStore
+from servicekit.grpc_auth import HEALTH_SERVICES, REFLECTION_SERVICES, BearerAuthInterceptor, caller_key_digest
 from servicekit.proto.pb import GENERATION_SERVICE, generation_pb2_grpc
 from servicekit.serving import ServerLifecycle
 
@@ -21,7 +24,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         inp = convert.generate_input_from_pb(request)
         # aclosing: a cancelled call (client gone, deadline) closes the generator at once, which
         # aborts the request in Redis.
-        async with aclosing(self._service.generate(inp, timeout_s=context.time_remaining())) as chunks:
+        # The request belongs to the API key that admitted this call (only it may resume it).
+        stream = self._service.generate(inp, timeout_s=context.time_remaining(), owner=caller_key_digest())
+        async with aclosing(stream) as chunks:
             async for chunk in chunks:
                 yield convert.chunk_to_pb(chunk)
 
@@ -36,7 +41,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return convert.model_info_to_pb(await self._service.served_limits(""))
 
 
-def build_server(service: GenerationService) -> ServerLifecycle:
-    lifecycle = ServerLifecycle([GENERATION_SERVICE])
+def build_server(service: GenerationService, settings: GatewaySettings | None = None,
+                 keys: KeyStore | None = None) -> ServerLifecycle:
+    """The gateway's server: every Generation method needs an API key of ``keys`` (when it holds
+    any); health and, unless ``settings.reflection`` is off, reflection stay open."""
+    settings = settings or GatewaySettings()
+    open_services = HEALTH_SERVICES + (REFLECTION_SERVICES if settings.reflection else ())
+    size = settings.max_message_bytes
+    lifecycle = ServerLifecycle(
+        [GENERATION_SERVICE], interceptors=[BearerAuthInterceptor(keys or KeyStore(), open_services=open_services)],
+        reflection_on=settings.reflection,
+        options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
+                 ("grpc.max_concurrent_streams", settings.max_concurrent_streams)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), lifecycle.server)
     return lifecycle

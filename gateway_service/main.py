@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 
 from gateway_service.settings import GatewaySettings
 from servicekit import redis_client
+from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
 from servicekit.flags import service_parser, settings_kwargs
-from servicekit.serving import service_main
+from servicekit.serving import StartupError, is_loopback, service_main
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -45,8 +46,10 @@ class GatewayApp:
 
         s = self.settings
         keys = RedisKeys(s.key_prefix)
+        api_keys = self._key_store()
         if self._redis is None:
             self._redis = redis_client.connect(s)
+            await redis_client.check_credentials(self._redis, s)
         if self._hf_tokenizer is None:
             self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
@@ -57,13 +60,28 @@ class GatewayApp:
                              replica_wait_ms=s.admission_replica_wait_ms)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
                                          limits=self._limits, queue=queue, fanout=self._fanout,
-                                         prompt_bytes_per_token=s.prompt_bytes_per_token)
-        self.lifecycle = build_server(self.service)
-        self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
+                                         prompt_bytes_per_token=s.prompt_bytes_per_token,
+                                         per_key=ConcurrencyLimits(s.max_requests_per_key),
+                                         tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
+                                         max_buffered_outputs=s.max_buffered_outputs)
+        self.lifecycle = build_server(self.service, s, api_keys)
+        self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
         self._limits.start()
         self._fanout.start()
         await self.lifecycle.start()
-        log.info("gateway %s for %s listening on %s:%d", s.gateway_id, s.model, s.host, self.port)
+        log.info("gateway %s for %s listening on %s:%d (%s, %s)", s.gateway_id, s.model, s.host, self.port,
+                 "TLS" if s.tls.enabled else "plaintext", f"{len(api_keys)} API keys" if api_keys.enabled else "no API keys")
+
+    def _key_store(self) -> KeyStore:
+        s = self.settings
+        try:
+            store = KeyStore(s.api_keys, s.api_keys_file)
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"api_keys_file (PAGEDSERVE_API_KEYS_FILE): {exc}") from None
+        if not store.enabled and not is_loopback(s.host):
+            log.warning("no API keys configured (--api-keys / --api-keys-file): anyone who reaches %s:%d may "
+                        "generate and resume requests by id", s.host, s.port)
+        return store
 
     async def drain(self, grace_s: float | None = None) -> None:
         """NOT_SERVING and no new Generate calls; live streams finish within the grace period."""

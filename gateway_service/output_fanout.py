@@ -19,7 +19,7 @@ import logging
 
 from redis.exceptions import RedisError
 
-from servicekit.contract.errors import UnavailableError
+from servicekit.contract.errors import ResourceExhaustedError, UnavailableError
 from servicekit.redis_keys import RedisKeys
 from servicekit.serving import cancel_and_wait, cancel_requested
 
@@ -35,17 +35,44 @@ def _entry_id(entry_id: str | bytes) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+class SlowReaderError(ResourceExhaustedError):
+    """A reader fell more than its subscription's ``max_pending`` records behind its stream."""
+
+
 class Subscription:
     """One reader of one request's output stream, as delivered so far. ``last_id`` is the newest
     entry handed to ``queue``. Several calls may read the same stream (a resume next to its
-    owner): each has its own subscription and sees every entry once, in order."""
+    owner): each has its own subscription and sees every entry once, in order.
 
-    __slots__ = ("key", "last_id", "queue")
+    Bounded: at most ``max_pending`` records wait in ``queue`` (0: no bound). A reader that falls
+    further behind (its client stopped reading, so its call stopped taking records) gets nothing
+    more: ``overflowed`` is set, :class:`SlowReaderError` is queued and ``on_overflow`` called, so
+    the call can be ended at once rather than when its client reads again."""
 
-    def __init__(self, key: str, start_id: str = "0-0") -> None:
+    __slots__ = ("key", "last_id", "max_pending", "on_overflow", "overflowed", "pending", "queue")
+
+    def __init__(self, key: str, start_id: str = "0-0", *, max_pending: int = 0, on_overflow=None) -> None:
         self.key = key
         self.last_id = start_id
         self.queue: asyncio.Queue[list[bytes] | BaseException] = asyncio.Queue()
+        self.max_pending = max_pending
+        self.pending = 0
+        self.overflowed = False
+        self.on_overflow = on_overflow
+
+    def deliver(self, records: list[bytes]) -> None:
+        if self.overflowed:
+            return
+        if self.max_pending and self.pending + len(records) > self.max_pending:
+            self.overflowed = True
+            self.queue.put_nowait(SlowReaderError(
+                f"the client fell {self.pending + len(records)} output records behind (limit {self.max_pending}, "
+                "--max-buffered-outputs); the request was aborted"))
+            if self.on_overflow is not None:
+                self.on_overflow()
+            return
+        self.pending += len(records)
+        self.queue.put_nowait(records)
 
     async def get(self) -> list[bytes]:
         """Every record delivered since the last call, waiting for at least one."""
@@ -58,6 +85,7 @@ class Subscription:
         item = await self.queue.get()
         if isinstance(item, BaseException):
             raise item
+        self.pending -= len(item)
         return item
 
 
@@ -79,11 +107,11 @@ class OutputFanout:
         await cancel_and_wait([self._task])
         await self._redis.delete(self.wake_key)
 
-    def subscribe(self, key: str) -> Subscription:
-        """Start delivering ``key``'s entries (from its beginning). The caller then writes to the
-        wake stream (the admission and join scripts of ``request_queue`` do) so a blocked XREAD
-        restarts."""
-        sub = Subscription(key)
+    def subscribe(self, key: str, *, max_pending: int = 0, on_overflow=None) -> Subscription:
+        """Start delivering ``key``'s entries (from its beginning), at most ``max_pending`` waiting
+        (see :class:`Subscription`). The caller then writes to the wake stream (the admission and
+        join scripts of ``request_queue`` do) so a blocked XREAD restarts."""
+        sub = Subscription(key, max_pending=max_pending, on_overflow=on_overflow)
         self._subs.setdefault(key.encode(), []).append(sub)
         return sub
 
@@ -135,7 +163,7 @@ class OutputFanout:
                     new = [(entry_id, fields) for entry_id, fields in entries if _entry_id(entry_id) > after]
                     if new:
                         sub.last_id = new[-1][0]
-                        sub.queue.put_nowait([fields.get(b"data", b"") for _id, fields in new])
+                        sub.deliver([fields.get(b"data", b"") for _id, fields in new])
 
     async def _fail_vanished(self) -> None:
         """After an outage: a request whose output stream is gone (Redis came back without its last

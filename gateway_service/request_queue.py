@@ -3,10 +3,12 @@ output stream's first entry, and the fan-out wake-up, in one round trip), joinin
 request's readers (resumes are checked against what was admitted), and abort notices.
 
 The output stream's first entry (the admission marker, empty ``data``) also keeps the digests of
-the admitted prompt tokens and sampling parameters, so they live exactly as long as the outputs a
-resume could read. ``{prefix}readers:{request_id}`` counts the calls reading the request, on any
-gateway: the last one to leave before the request finished aborts it, so a resumer that gives up
-never cuts off the owner (or another resumer) still reading.
+the admitted prompt tokens and sampling parameters and of the API key that admitted it (its
+owner), so they live exactly as long as the outputs a resume could read: only the owner's key may
+resume (read) the request, and so only its own readers can abort it by leaving.
+``{prefix}readers:{request_id}`` counts the calls reading the request, on any gateway: the last one
+to leave before the request finished aborts it, so a resumer that gives up never cuts off the
+owner (or another resumer) still reading.
 
 Durable admissions (``replica_wait_ms`` > 0): when the primary has replicas, ``admit`` returns
 only once one of them acknowledged the admission (``WAIT 1``, on the connection that wrote it), so
@@ -36,7 +38,8 @@ REPLICAS_RECHECK_S = 1.0
 
 # KEYS: requests stream, the request's output stream, the gateway's wake stream, readers counter
 # ARGV: group, max queued (0 = no limit), request id, EngineRequest bytes, output TTL seconds,
-#       wake stream max length, wake stream TTL seconds, prompt digest, params digest
+#       wake stream max length, wake stream TTL seconds, prompt digest, params digest, owner (the
+#       digest of the API key that admitted it; "" without keys)
 # Returns 0 when admitted, -1 when the queue is full, -2 when the request id is in use.
 # Queue depth = entries not yet delivered to any scheduler: finished requests are deleted from the
 # stream, so XLEN minus the group's pending count is what waits.
@@ -47,7 +50,7 @@ if limit > 0 then
   local waiting = redis.call('XLEN', KEYS[1]) - redis.call('XPENDING', KEYS[1], ARGV[1])[1]
   if waiting >= limit then return -1 end
 end
-redis.call('XADD', KEYS[2], '*', 'data', '', 'prompt_digest', ARGV[8], 'params_digest', ARGV[9])
+redis.call('XADD', KEYS[2], '*', 'data', '', 'prompt_digest', ARGV[8], 'params_digest', ARGV[9], 'owner', ARGV[10])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('SET', KEYS[4], 1, 'EX', ARGV[5])
 redis.call('XADD', KEYS[1], '*', 'request_id', ARGV[3], 'data', ARGV[4])
@@ -57,14 +60,21 @@ return 0
 """
 
 # KEYS: the request's output stream, readers counter, the gateway's wake stream
-# ARGV: prompt digest, params digest, readers TTL seconds, wake stream max length, wake stream TTL
-# Returns -1 when the output stream is gone; else the names of the digests that differ from the
-# admitted ones (empty: joined as one more reader). A marker without digests (admitted by an older
-# gateway) is not checked.
+# ARGV: prompt digest, params digest, readers TTL seconds, wake stream max length, wake stream TTL,
+#       owner (the caller's API key digest)
+# Returns -1 when the output stream is gone or was admitted by another key (one answer for both:
+# no caller learns which ids exist); else the names of the digests that differ from the admitted
+# ones (empty: joined as one more reader). A marker without digests (admitted by an older gateway)
+# is not checked; one without an owner belongs to callers without a key.
 _JOIN_LUA = """
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #first == 0 then return -1 end
 local fields = first[1][2]
+local owner = ''
+for i = 1, #fields, 2 do
+  if fields[i] == 'owner' then owner = fields[i + 1] end
+end
+if owner ~= ARGV[6] then return -1 end
 local differ = {}
 for i = 1, #fields, 2 do
   if fields[i] == 'prompt_digest' and fields[i + 1] ~= ARGV[1] then table.insert(differ, 'prompt') end
@@ -118,8 +128,10 @@ class RequestQueue:
         self._join = redis.register_script(_JOIN_LUA)
         self._leave = redis.register_script(_LEAVE_LUA)
 
-    async def admit(self, request_id: str, record: bytes, digests: RequestDigests, wake_key: str) -> None:
-        """Enqueue one EngineRequest, its caller being its first reader. Raises
+    async def admit(self, request_id: str, record: bytes, digests: RequestDigests, wake_key: str,
+                    owner: str = "") -> None:
+        """Enqueue one EngineRequest owned by the API key digest ``owner``, its caller being its
+        first reader. Raises
         ResourceExhaustedError past the queue limit and AlreadyExistsError when the request id has
         an output stream already (nothing is written then). With replicas present and waiting on,
         returns once a replica holds the admission (or ``replica_wait_ms`` passed)."""
@@ -127,7 +139,7 @@ class RequestQueue:
         admission = {
             "keys": [keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
             "args": [SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
-                     digests.prompt, digests.params]}
+                     digests.prompt, digests.params, owner]}
         if not await self._replicas_present():
             result = await self._admit(**admission)
         else:
@@ -163,16 +175,17 @@ class RequestQueue:
         log.warning("request %s admitted, but no replica acknowledged it within %d ms: a failover now could lose "
                     "it", request_id, self._replica_wait_ms)
 
-    async def join(self, request_id: str, digests: RequestDigests, wake_key: str) -> None:
-        """Become one more reader of an admitted request (a resume). Raises NotFoundError when its
-        outputs are gone, InvalidArgumentError naming the first input that differs from the
-        admitted request (nothing is written then)."""
+    async def join(self, request_id: str, digests: RequestDigests, wake_key: str, owner: str = "") -> None:
+        """Become one more reader of an admitted request (a resume) owned by ``owner``. Raises
+        NotFoundError when its outputs are gone or another key owns it, InvalidArgumentError naming
+        the first input that differs from the admitted request (nothing is written then)."""
         keys = self._keys
         result = await self._join(
             keys=[keys.output(request_id), keys.readers(request_id), wake_key],
-            args=[digests.prompt, digests.params, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S])
+            args=[digests.prompt, digests.params, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S, owner])
         if result == -1:
-            raise NotFoundError(f"request {request_id!r} is unknown or its outputs expired")
+            raise NotFoundError(f"request {request_id!r} is unknown, its outputs expired, or another API key "
+                                "admitted it")
         if result:
             differ = [name.decode() if isinstance(name, bytes) else name for name in result]
             raise InvalidArgumentError(

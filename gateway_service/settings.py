@@ -7,9 +7,18 @@ import uuid
 from dataclasses import dataclass
 
 from servicekit import redis_client
-from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.flags import (
+    drain_grace_setting,
+    key_prefix_setting,
+    redis_url_setting,
+    setting,
+    tls_ca_setting,
+    tls_cert_setting,
+    tls_key_setting,
+)
 from servicekit.ports import GATEWAY_PORT
 from servicekit.redis_keys import RedisKeys
+from servicekit.tls import TlsFiles
 
 DEFAULT_PORT = GATEWAY_PORT
 REPLICA_WAIT_MODES = ("auto", "on", "off")
@@ -49,6 +58,31 @@ class GatewaySettings:
     prompt_bytes_per_token: int = setting(
         16, help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it is "
                  "tokenized")
+    # Security (README "Security").
+    api_keys: tuple[str, ...] = setting(
+        (), secret=True, help="comma-separated API keys clients must send as 'authorization: Bearer KEY' (or "
+                              "'sha256:HEX' digests); with --api-keys-file, either one admits (empty and no file: "
+                              "open to anyone who reaches the port)")
+    api_keys_file: str = setting("", help="file of API keys, one per line ('sha256:HEX' digests allowed, '#' "
+                                          "comments); re-read when it changes, so keys are added or revoked live")
+    max_requests_per_key: int = setting(0, help="Generate streams one API key may have open on this gateway; more "
+                                                "is RESOURCE_EXHAUSTED (0: no limit)")
+    max_tokens_per_key_per_minute: int = setting(
+        0, help="prompt plus generated tokens one API key may use per minute on this gateway; past it Generate is "
+                "RESOURCE_EXHAUSTED (0: no limit)")
+    reflection: bool = setting(True, help="serve gRPC reflection (open to all: it lists the methods)")
+    tls_cert_file: str = tls_cert_setting("the gateway")
+    tls_key_file: str = tls_key_setting()
+    tls_ca_file: str = tls_ca_setting("clients must present a certificate it signed (empty: no client certificates)")
+    max_message_bytes: int = setting(16 * 1024 * 1024, help="largest gRPC message received or sent")
+    max_concurrent_streams: int = setting(256, help="concurrent calls one client connection may have open")
+    max_buffered_outputs: int = setting(
+        4096, help="output records one Generate stream may have waiting for its client; a client that reads slower "
+                   "than that is cut off with RESOURCE_EXHAUSTED and its request aborted (bounds gateway memory)")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
 
     @property
     def admission_replica_wait_ms(self) -> int:
@@ -59,6 +93,11 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         redis_client.validate(self)
         RedisKeys(self.key_prefix)
+        self.tls.check(server=True)
+        for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0),
+                            ("max_message_bytes", 1), ("max_concurrent_streams", 1), ("max_buffered_outputs", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name}: must be >= {least}, got {getattr(self, name)}")
         if not self.model:
             raise ValueError("model: must be non-empty")
         if not 0 <= self.port < 65536:

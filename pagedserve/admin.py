@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve.errors import from_rpc_error
+from servicekit.grpc_auth import bearer_metadata
 from servicekit.proto.pb import scheduler_pb2, scheduler_pb2_grpc
+from servicekit.tls import TlsFiles, aio_channel, sync_channel
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,22 +74,25 @@ def _from_pb(msg: scheduler_pb2.StatsResponse) -> SchedulerStats:
         num_taken_over=msg.num_taken_over, workers=workers)
 
 
-def scheduler_stats(address: str, *, timeout: float = 5.0) -> SchedulerStats:
-    """SchedulerAdmin.Stats of the scheduler at ``address`` (blocking)."""
-    with grpc.insecure_channel(address) as channel:
+def scheduler_stats(address: str, *, timeout: float = 5.0, token: str = "", tls: TlsFiles | None = None) -> SchedulerStats:
+    """SchedulerAdmin.Stats of the scheduler at ``address`` (blocking); ``token``: the internal
+    token, ``tls``: its TLS files, when the scheduler requires them."""
+    with sync_channel(address, tls) as channel:
         try:
-            reply = scheduler_pb2_grpc.SchedulerAdminStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=timeout)
+            reply = scheduler_pb2_grpc.SchedulerAdminStub(channel).Stats(
+                scheduler_pb2.StatsRequest(), timeout=timeout, metadata=bearer_metadata(token))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
     return _from_pb(reply)
 
 
-async def async_scheduler_stats(address: str, *, timeout: float = 5.0) -> SchedulerStats:
+async def async_scheduler_stats(address: str, *, timeout: float = 5.0, token: str = "",
+                                tls: TlsFiles | None = None) -> SchedulerStats:
     """SchedulerAdmin.Stats of the scheduler at ``address`` (asyncio)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, tls, []) as channel:
         try:
             reply = await scheduler_pb2_grpc.SchedulerAdminStub(channel).Stats(
-                scheduler_pb2.StatsRequest(), timeout=timeout)
+                scheduler_pb2.StatsRequest(), timeout=timeout, metadata=bearer_metadata(token))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
     return _from_pb(reply)

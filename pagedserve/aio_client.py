@@ -11,6 +11,11 @@ Sampling arguments are SamplingParams' field names (``max_tokens``, ``temperatur
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``) or a whole
 ``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types.
 
+API keys: ``AsyncClient(address, api_key="...")`` (default: the ``PAGEDSERVE_API_KEY`` environment
+variable) sends ``authorization: Bearer <key>`` on every call; a request belongs to the key that
+admitted it, so a resume needs the same key. TLS: ``tls=TlsFiles(ca_file=...)`` (with
+``cert_file``/``key_file`` for a gateway that wants client certificates).
+
 Give several gateways (``AsyncClient("g1:50051,g2:50051")``): a stream broken by a gateway
 failure is resumed on the next one by request id from the next output index, so no token is lost
 or repeated (:mod:`pagedserve.failover`).
@@ -19,6 +24,7 @@ or repeated (:mod:`pagedserve.failover`).
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,9 +35,11 @@ from pagedserve import wire
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient, parse_addresses
+from servicekit.grpc_auth import bearer_metadata
 from servicekit.ports import GATEWAY_PORT
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
+from servicekit.tls import TlsFiles, aio_channel
 
 DEFAULT_ADDRESS = f"127.0.0.1:{GATEWAY_PORT}"
 # Reconnect quickly after a failed connect, so a retry can reach a gateway that just came up.
@@ -40,6 +48,7 @@ CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 DEFAULT_RETRIES = 5  # consecutive tries without progress (backoff 0.2 s doubling, at most 2 s)
 
 
@@ -94,15 +103,16 @@ class GatewayClientBase:
     and stream class."""
 
     _stream_class: type[StreamCall]
-    _open_channel: Callable[..., Any]
+    _open_channel: Callable[..., Any]  # (address, TlsFiles | None, options) -> channel
 
     def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, timeout: float | None = None,
-                 retries: int = DEFAULT_RETRIES) -> None:
+                 retries: int = DEFAULT_RETRIES, api_key: str | None = None, tls: TlsFiles | None = None) -> None:
         self.addresses = parse_addresses(address)
         self.address = self.addresses[0]
         self.timeout = timeout
         self.retries = retries
-        self._channels = [self._open_channel(a, options=CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
+        self._metadata = bearer_metadata(api_key if api_key is not None else os.environ.get(API_KEY_ENV, ""))
+        self._channels = [self._open_channel(a, tls, CLIENT_CHANNEL_OPTIONS) for a in self.addresses]
         self._stubs = [generation_pb2_grpc.GenerationStub(c) for c in self._channels]
 
     def stream(self, prompt=None, *, messages=None, request_id: str | None = None,
@@ -113,7 +123,7 @@ class GatewayClientBase:
             prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
         return self._stream_class(self._stubs, request,
                                   timeout=timeout if timeout is not None else self.timeout,
-                                  retries=self.retries)
+                                  retries=self.retries, metadata=self._metadata)
 
 
 class AsyncClient(GatewayClientBase):
@@ -122,7 +132,7 @@ class AsyncClient(GatewayClientBase):
     in seconds, all retries included (None: none)."""
 
     _stream_class = AsyncStream
-    _open_channel = staticmethod(grpc.aio.insecure_channel)
+    _open_channel = staticmethod(aio_channel)
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
         """Generate and return the whole completion."""
@@ -138,7 +148,7 @@ class AsyncClient(GatewayClientBase):
         """Call ``method`` on the first gateway that answers (each address tried once)."""
         for i, stub in enumerate(self._stubs):
             try:
-                return await getattr(stub, method)(request, timeout=self.timeout)
+                return await getattr(stub, method)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 if i + 1 == len(self._stubs) or not is_transient(exc.code(), exc.details() or ""):
                     raise from_rpc_error(exc) from None

@@ -32,9 +32,27 @@ def _service_main(name: str):
     return main
 
 
+def _add_tls_flags(parser: argparse.ArgumentParser, env) -> None:
+    """The TLS files a client uses: the same PAGEDSERVE_TLS_* variables a service's container has,
+    so its healthcheck needs no flags."""
+    add_flag(parser, env, "tls-ca-file", default="", help="CA that signed the server's certificate (TLS)")
+    add_flag(parser, env, "tls-cert-file", default="", help="client certificate, for servers that require one")
+    add_flag(parser, env, "tls-key-file", default="", help="key of --tls-cert-file")
+    add_flag(parser, env, "tls-server-name", default="", help="name in the server's certificate, when it is not "
+                                                              "the host dialed")
+
+
+def _tls(args: argparse.Namespace):
+    from servicekit.tls import TlsFiles
+
+    return TlsFiles(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, args.tls_server_name)
+
+
 def _add_sampling_flags(parser: argparse.ArgumentParser, env) -> None:
     add_flag(parser, env, "address", default=DEFAULT_ADDRESS,
              help="gateway address host:port; several, comma-separated, to fail over between them")
+    add_flag(parser, env, "api-key", default="", secret=True, help="API key of the gateway (prefer the env var)")
+    _add_tls_flags(parser, env)
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -85,9 +103,12 @@ def build_parser(env) -> argparse.ArgumentParser:
     health.add_argument("address", help="host:port of any pagedserve service")
     health.add_argument("--service", default="", help="service name to check (default: the whole server)")
     health.add_argument("--timeout", type=float, default=3.0)
+    _add_tls_flags(health, env)
     stats = sub.add_parser("stats", help="print a scheduler's stats (workers, KV block pools, failover counters)")
     stats.add_argument("address", help="host:port of a scheduler's admin server (default port 50052)")
     stats.add_argument("--timeout", type=float, default=5.0)
+    add_flag(stats, env, "internal-token", default="", secret=True, help="the services' shared internal token")
+    _add_tls_flags(stats, env)
     return parser
 
 
@@ -97,7 +118,8 @@ def _run_stats(args: argparse.Namespace) -> int:
 
     from pagedserve.admin import scheduler_stats
 
-    print(json.dumps(dataclasses.asdict(scheduler_stats(args.address, timeout=args.timeout)), indent=2))
+    stats = scheduler_stats(args.address, timeout=args.timeout, token=args.internal_token, tls=_tls(args))
+    print(json.dumps(dataclasses.asdict(stats), indent=2))
     return 0
 
 
@@ -105,7 +127,9 @@ def _run_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    from servicekit.tls import sync_channel
+
+    with sync_channel(args.address, _tls(args)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -120,7 +144,7 @@ def _run_health(args: argparse.Namespace) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve.client import Client
 
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, api_key=args.api_key, tls=_tls(args)) as client:
         if args.stream:
             completion_end = None
             with client.stream(args.prompt, **_sampling_kwargs(args)) as stream:
@@ -153,7 +177,7 @@ def _run_chat(args: argparse.Namespace) -> int:
     from pagedserve.client import Client
 
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, api_key=args.api_key, tls=_tls(args)) as client:
         if args.message is not None:
             _chat_turn(client, messages + [{"role": "user", "content": args.message}], args)
             return 0

@@ -6,7 +6,7 @@
             for chunk in stream:
                 print(chunk.text, end="", flush=True)
 
-Arguments, errors, retries and gateway failover as in :mod:`pagedserve.aio_client`
+Arguments, API keys, TLS, errors, retries and gateway failover as in :mod:`pagedserve.aio_client`
 (``Client("g1:50051,g2:50051")``).
 """
 
@@ -22,6 +22,7 @@ from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient
 from servicekit.proto.pb import generation_pb2
+from servicekit.tls import sync_channel
 
 
 class Stream(StreamCall):
@@ -75,7 +76,7 @@ class Client(GatewayClientBase):
     call in seconds, all retries included (None: none)."""
 
     _stream_class = Stream
-    _open_channel = staticmethod(grpc.insecure_channel)
+    _open_channel = staticmethod(sync_channel)
 
     def generate(self, prompt=None, **kwargs) -> Completion:
         """Generate and return the whole completion."""
@@ -91,7 +92,7 @@ class Client(GatewayClientBase):
         """Call ``method`` on the first gateway that answers (each address tried once)."""
         for i, stub in enumerate(self._stubs):
             try:
-                return getattr(stub, method)(request, timeout=self.timeout)
+                return getattr(stub, method)(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 if i + 1 == len(self._stubs) or not is_transient(exc.code(), exc.details() or ""):
                     raise from_rpc_error(exc) from None

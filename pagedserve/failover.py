@@ -87,8 +87,9 @@ class StreamCall:
     """What a sync and an async stream share: one Generate call at a time, on the gateway the
     :class:`Failover` points at, with the time left of the stream's deadline."""
 
-    def __init__(self, stubs, request, *, timeout: float | None, retries: int) -> None:
+    def __init__(self, stubs, request, *, timeout: float | None, retries: int, metadata=()) -> None:
         self._stubs = stubs  # one per gateway address, in the client's order
+        self._metadata = metadata  # the API key, sent again on every resume (the request belongs to it)
         self._request = request
         self._failover = Failover(request, len(stubs), retries=retries, timeout=timeout)
         self._timeout = timeout
@@ -98,7 +99,8 @@ class StreamCall:
 
     def _start(self) -> None:
         timeout = self._failover.remaining() if self._timeout is not None else None
-        self._call = self._stubs[self._failover.address_index].Generate(self._request, timeout=timeout)
+        self._call = self._stubs[self._failover.address_index].Generate(
+            self._request, timeout=timeout, metadata=self._metadata)
 
 
 def parse_addresses(address) -> list[str]:

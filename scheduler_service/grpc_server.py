@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler_service import convert
+from servicekit.grpc_auth import internal_interceptors
 from servicekit.proto.pb import SCHEDULER_ADMIN_SERVICE, scheduler_pb2_grpc
 from servicekit.serving import ServerLifecycle
 
@@ -16,6 +17,7 @@ class SchedulerAdminServicer(scheduler_pb2_grpc.SchedulerAdminServicer):
 
 
 def build_server(app) -> ServerLifecycle:
-    lifecycle = ServerLifecycle([SCHEDULER_ADMIN_SERVICE])
+    lifecycle = ServerLifecycle([SCHEDULER_ADMIN_SERVICE],
+                                interceptors=internal_interceptors(app.settings.internal_token))
     scheduler_pb2_grpc.add_SchedulerAdminServicer_to_server(SchedulerAdminServicer(app), lifecycle.server)
     return lifecycle

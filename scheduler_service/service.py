@@ -113,10 +113,12 @@ class SchedulerApp:
         s = self.settings
         if self._redis is None:
             self._redis = redis_client.connect(s)
+            await redis_client.check_credentials(self._redis, s)
         await ensure_request_group(self._redis, self.keys)
         self.queue = RedisQueue(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
         self.lifecycle = build_server(self)
-        self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
+        # The admin server uses the scheduler's certificate; with a CA, its clients need one too.
+        self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls if s.tls_cert_file else None)
         await self.lifecycle.start()
         self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,

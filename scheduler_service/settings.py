@@ -10,9 +10,19 @@ from dataclasses import dataclass
 
 from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from servicekit import redis_client
-from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.flags import (
+    drain_grace_setting,
+    internal_token_setting,
+    key_prefix_setting,
+    redis_url_setting,
+    setting,
+    tls_ca_setting,
+    tls_cert_setting,
+    tls_key_setting,
+)
 from servicekit.ports import SCHEDULER_PORT
 from servicekit.redis_keys import RedisKeys
+from servicekit.tls import TlsFiles
 
 DEFAULT_PORT = SCHEDULER_PORT
 
@@ -63,6 +73,19 @@ class SchedulerSettings:
     max_retries: int = setting(3, help="takeovers of one request before it goes to the dead-letter stream "
                                        "{prefix}dead")
 
+    # Security (README "Security"): mutual TLS to the workers and on the admin server, and/or a token.
+    tls_cert_file: str = tls_cert_setting("the scheduler to workers (and on its admin server)")
+    tls_key_file: str = tls_key_setting()
+    tls_ca_file: str = tls_ca_setting("workers' certificates must be signed by it (and, with --tls-cert-file, admin "
+                                      "clients' too); setting it turns TLS to workers on")
+    tls_server_name: str = setting("", help="name the workers' certificates carry, when it is not the address dialed "
+                                            "(workers register their IPs)")
+    internal_token: str = internal_token_setting()
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)
+
     @property
     def reclaim_interval_s(self) -> float:
         """How often held entries are refreshed and idle ones looked for: a fifth of the idle time,
@@ -72,6 +95,7 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         redis_client.validate(self)
         RedisKeys(self.key_prefix)
+        self.tls.check(server=False)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
                      "shared_prefill_token_threshold", "max_queued_per_worker"):
             if getattr(self, name) < 0:

@@ -13,8 +13,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_service import convert
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
+from servicekit.grpc_auth import bearer_metadata
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from servicekit.tls import TlsFiles, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +29,11 @@ class WorkerClient:
     """Invariant: at most one Step call is open; step() is called by one task at a time and each
     write is answered by exactly one read (lockstep)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, tls: TlsFiles | None = None, token: str = "") -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # TLS material is read here: a (re)connect picks up renewed certificates.
+        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
+        self._metadata = bearer_metadata(token)  # on every call (health checks too: harmless)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._call = None
         self._step_id = 0
@@ -38,15 +42,15 @@ class WorkerClient:
     async def describe(self, timeout_s: float = 30.0) -> WorkerDescription:
         # Not wait_for_ready: a dead address (a registry entry not expired yet) fails at once
         # instead of holding a claim attempt for the whole timeout; the supervisor retries.
-        msg = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s)
+        msg = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, metadata=self._metadata)
         return convert.worker_description_from_pb(msg)
 
     async def reset(self, timeout_s: float = 30.0) -> int:
-        reply = await self._stub.Reset(worker_pb2.ResetRequest(), timeout=timeout_s)
+        reply = await self._stub.Reset(worker_pb2.ResetRequest(), timeout=timeout_s, metadata=self._metadata)
         return reply.num_dropped
 
     async def open_stream(self) -> None:
-        self._call = self._stub.Step()
+        self._call = self._stub.Step(metadata=self._metadata)
         self._step_id = 0
 
     async def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -115,12 +119,12 @@ class LeaseRefusedError(RuntimeError):
 
 
 async def connect(address: str, *, timeout_s: float = 30.0,
-                  claim: Callable[[WorkerDescription], Awaitable[bool]] | None = None
-                  ) -> tuple[WorkerClient, WorkerDescription]:
+                  claim: Callable[[WorkerDescription], Awaitable[bool]] | None = None,
+                  tls: TlsFiles | None = None, token: str = "") -> tuple[WorkerClient, WorkerDescription]:
     """Dial, describe, ``claim`` the worker (take its lease; False: LeaseRefusedError) and open the
     Step stream; raises on failure (the client is closed then): WorkerLostError when the worker
     refuses the stream, grpc.aio.AioRpcError when unreachable."""
-    client = WorkerClient(address)
+    client = WorkerClient(address, tls=tls, token=token)
     try:
         description = await client.describe(timeout_s)
         if claim is not None and not await claim(description):

@@ -314,7 +314,8 @@ class WorkerPool:
             return False
 
         try:
-            client, description = await connect(address, timeout_s=CONNECT_TIMEOUT_S, claim=claim)
+            client, description = await connect(address, timeout_s=CONNECT_TIMEOUT_S, claim=claim,
+                                                tls=s.tls, token=s.internal_token)
         except LeaseRefusedError as exc:
             log.debug("%s", exc)
             return

@@ -4,7 +4,8 @@ A field declared with :func:`setting` carries its help text; :func:`add_setting_
 each such field into ``--field-name`` (type, default and choices from the field) that falls back to
 the ``PAGEDSERVE_FIELD_NAME`` environment variable, and :func:`settings_kwargs` reads the parsed
 values back into the dataclass's keyword arguments. Precedence: command-line flag > environment
-variable > the field's default. ``--help`` shows each flag's variable and effective default
+variable (or the file ``PAGEDSERVE_FIELD_NAME_FILE`` names: secrets mounted as files) > the field's
+default. ``--help`` shows each flag's variable and effective default
 (STYLE.md habits 4 and 15).
 """
 
@@ -19,6 +20,8 @@ from servicekit.redis_keys import DEFAULT_PREFIX
 
 ENV_PREFIX = "PAGEDSERVE_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+FILE_SUFFIX = "_FILE"  # PAGEDSERVE_X_FILE=/run/secrets/x: the value of PAGEDSERVE_X is that file's content
 
 
 def env_var(flag: str) -> str:
@@ -41,11 +44,13 @@ def parse_list(text: str) -> tuple[str, ...]:
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
-            choices: Any = None, type: Callable[[str], Any] | None = None) -> Any:
+            choices: Any = None, type: Callable[[str], Any] | None = None, secret: bool = False) -> Any:
     """A settings field that is also a flag. ``type`` parses the flag's text (default: from the
     default's type; ``parse_list`` for tuples); a field with a ``default_factory`` (a generated id)
-    takes the factory's value when its flag is left empty."""
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type}
+    takes the factory's value when its flag is left empty. A ``secret`` (keys, tokens) never shows
+    its value in ``--help``."""
+    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type,
+                "secret": secret}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -67,16 +72,30 @@ def _flag_type(field: dataclasses.Field) -> Callable[[str], Any]:
 
 def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str, *,
              type: Callable[[str], Any] = str, default: Any = None, help: str,
-             choices: Any = None) -> None:
-    """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``."""
+             choices: Any = None, secret: bool = False) -> None:
+    """Add ``--flag`` whose default comes from ``PAGEDSERVE_FLAG`` when that is set in ``env``, or
+    from the file ``PAGEDSERVE_FLAG_FILE`` names (which wins; for secrets mounted as files). A
+    ``secret`` one's value, and any value read from a file, is not shown in ``--help``."""
     var = env_var(flag)
+    source = var
+    if var + FILE_SUFFIX in env:  # a secret mounted as a file (compose/Kubernetes secrets) wins
+        source = var + FILE_SUFFIX
+        try:
+            with open(env[source], encoding="utf-8") as f:
+                env = {var: f.read().strip()}
+        except OSError as exc:
+            parser.error(f"environment variable {source}: {exc}")
+        secret = True  # read from a secret file: never shown
     if var in env:
         raw = env[var]
         try:
             default = parse_bool(raw) if type is bool else type(raw)
         except ValueError as exc:
-            parser.error(f"environment variable {var}={raw!r}: {exc}")
+            parser.error(f"environment variable {source}: {exc}" if secret else
+                         f"environment variable {var}={raw!r}: {exc}")
     shown = ",".join(default) if isinstance(default, tuple) else default
+    if secret and shown:
+        shown = "(set, not shown)"
     text = f"{help} [env {var}; default: {'' if shown is None else shown}]".replace("%", "%%")
     if type is bool:
         parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=default, help=text)
@@ -97,7 +116,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, env: Mapping[str, str], c
         add_flag(parser, env, f.name.replace("_", "-"), type=_flag_type(f),
                  default="" if generated else f.default,
                  help=f.metadata["help"] + (" (empty: generated)" if generated else ""),
-                 choices=f.metadata["choices"])
+                 choices=f.metadata["choices"], secret=f.metadata.get("secret", False))
 
 
 def settings_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
@@ -130,10 +149,30 @@ def drain_grace_setting() -> Any:
 
 
 def service_parser(prog: str, description: str, env: Mapping[str, str], *settings: type) -> argparse.ArgumentParser:
-    """A service's whole command line: the flags of each settings dataclass, then ``--log-level``."""
+    """A service's whole command line: the flags of each settings dataclass, then ``--log-level``
+    and ``--log-format``."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     for cls in settings:
         add_setting_flags(parser, env, cls)
     add_flag(parser, env, "log-level", default="INFO", choices=LOG_LEVELS,
              help="log level (prompt text is only ever logged at DEBUG)")
+    add_flag(parser, env, "log-format", default="text", choices=LOG_FORMATS,
+             help="log lines as plain text or one JSON object per line")
     return parser
+
+
+def tls_cert_setting(role: str) -> Any:
+    return setting("", help=f"PEM certificate {role} presents (with --tls-key-file; empty: no TLS)")
+
+
+def tls_key_setting() -> Any:
+    return setting("", help="PEM private key of --tls-cert-file (mount it read-only)")
+
+
+def tls_ca_setting(meaning: str) -> Any:
+    return setting("", help=f"PEM CA certificate: {meaning}")
+
+
+def internal_token_setting() -> Any:
+    return setting("", secret=True, help="shared secret every internal RPC carries (authorization: Bearer ...), checked by workers "
+                            "and schedulers; prefer the env var or a compose secret to the flag (empty: none)")

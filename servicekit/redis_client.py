@@ -11,11 +11,17 @@ Two ways, chosen by the settings:
   are then ignored; its credentials, database and TLS choice still apply to the primary, and the
   Sentinels are dialled with the same TLS choice and their own password
   (``redis_sentinel_password``; Sentinel's ``requirepass`` is separate from the data nodes').
+
+Credentials Redis refuses are a configuration error, not a fault to retry: a service calls
+:func:`check_credentials` once at start-up, which raises :class:`~servicekit.serving.StartupError`
+naming the setting (the service exits with that one line; the password is never shown). A Redis
+that is merely unreachable is left to the callers' retries, as before.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from servicekit.flags import setting
 
@@ -115,3 +121,38 @@ def connect(settings: RedisSettings):
                 await sentinel.aclose()
 
     return sentinel.master_for(settings.redis_master_name, redis_class=SentinelRedis)
+
+
+# Error replies that mean "these credentials (or this ACL user) are not accepted".
+_AUTH_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM", "invalid password", "invalid username-password")
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password (safe to log)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def check_credentials(client, settings: RedisSettings) -> None:
+    """PING with the service's credentials; StartupError naming ``redis_url`` when Redis refuses
+    them. Any other failure (Redis not up yet) passes: the service's own retries handle it."""
+    from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+
+    from servicekit.serving import StartupError
+
+    try:
+        await client.ping()
+    except (AuthenticationError, NoPermissionError, ResponseError) as exc:
+        if isinstance(exc, ResponseError) and not isinstance(exc, NoPermissionError) and \
+                not any(reply in str(exc) for reply in _AUTH_REPLIES):
+            return
+        await client.aclose()
+        raise StartupError(
+            f"redis_url (PAGEDSERVE_REDIS_URL): Redis at {redacted(settings.redis_url)} refused this client: {exc}. "
+            "Put the user and password in the URL (redis://USER:PASSWORD@host:6379/0, or redis://:PASSWORD@host "
+            "for requirepass)") from None
+    except RedisError:
+        return

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.status import status_of
+from servicekit.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,40 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
 ]
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class StartupError(Exception):
+    """A service cannot start as configured (its message names the setting to fix): the service
+    prints it and exits 1, without a traceback."""
+
+
+def server_options(overrides: Sequence[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+    """SERVER_OPTIONS with ``overrides`` replacing options of the same name (message size limits,
+    ``grpc.max_concurrent_streams``)."""
+    names = {name for name, _ in overrides}
+    return [(n, v) for n, v in SERVER_OPTIONS if n not in names] + list(overrides)
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message (and the traceback, if any), for log
+    collectors. Messages are the same text as in the plain format: no prompt or completion text at
+    INFO or above, no keys or passwords at any level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def configure_logging(level: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple] | None:
@@ -68,17 +100,24 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
-        kwargs = dict(request_deserializer=handler.request_deserializer,
-                      response_serializer=handler.response_serializer)
-        unary_kwargs = dict(kwargs, request_deserializer=_tolerant(handler.request_deserializer))
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary, method), **unary_kwargs)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream, method), **unary_kwargs)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary, method), **kwargs)
-        return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream, method), **kwargs)
+        return rewrap_handler(handler, _wrap, handler_call_details.method,
+                              unary_deserializer=_tolerant(handler.request_deserializer))
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable, str], Callable], method: str, *,
+                   unary_deserializer: Callable | None = None) -> grpc.RpcMethodHandler:
+    """``handler`` with its behavior replaced by ``wrap(behavior, method)`` (same kind: unary or
+    streaming on either side); ``unary_deserializer`` replaces a unary request's deserializer."""
+    kwargs = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+    unary_kwargs = dict(kwargs, request_deserializer=unary_deserializer or handler.request_deserializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary, method), **unary_kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream, method), **unary_kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary, method), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream, method), **kwargs)
 
 
 class _Undecodable:
@@ -143,20 +182,26 @@ class ServerLifecycle:
     NOT_SERVING from the moment :meth:`drain` begins.
     """
 
-    def __init__(self, service_names: Iterable[str], *, interceptors: Iterable = ()) -> None:
+    def __init__(self, service_names: Iterable[str], *, interceptors: Iterable = (), reflection_on: bool = True,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), *interceptors], options=SERVER_OPTIONS)
+            interceptors=[ErrorMappingInterceptor(), *interceptors], options=server_options(options))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        if reflection_on:
+            reflection.enable_server_reflection(
+                [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port = 0
         self.draining = False
 
-    def bind(self, address: str) -> int:
-        """Listen on ``address`` (``host:port``; port 0 picks a free one); returns the port."""
-        port = self.server.add_insecure_port(address)
+    def bind(self, address: str, tls: TlsFiles | None = None) -> int:
+        """Listen on ``address`` (``host:port``; port 0 picks a free one), with TLS when ``tls``
+        is enabled (client certificates required when it names a CA); returns the port."""
+        if tls is not None and tls.enabled:
+            port = self.server.add_secure_port(address, server_credentials(tls))
+        else:
+            port = self.server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         self.port = port
@@ -231,13 +276,17 @@ def service_main(name: str, build_parser: Callable[[Mapping[str, str]], argparse
     within the settings' ``drain_grace_s``."""
     env = os.environ if env is None else env
     args = build_parser(env).parse_args(argv)
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
         print(f"pagedserve {name}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve_until_signal(name, make_app(settings), settings.drain_grace_s))
+    try:
+        asyncio.run(_serve_until_signal(name, make_app(settings), settings.drain_grace_s))
+    except StartupError as exc:
+        print(f"pagedserve {name}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

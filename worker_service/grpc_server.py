@@ -18,6 +18,7 @@ from typing import Protocol
 from servicekit.contract.errors import FailedPreconditionError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
+from servicekit.grpc_auth import internal_interceptors
 from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.serving import ServerLifecycle
 from worker_service import convert
@@ -144,7 +145,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def build_server(servicer: WorkerServicer) -> ServerLifecycle:
-    lifecycle = ServerLifecycle([WORKER_SERVICE])
+def build_server(servicer: WorkerServicer, *, internal_token: str = "") -> ServerLifecycle:
+    """With ``internal_token``, every call but health checks must carry it."""
+    lifecycle = ServerLifecycle([WORKER_SERVICE], interceptors=internal_interceptors(internal_token))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, lifecycle.server)
     return lifecycle

@@ -20,16 +20,21 @@ from dataclasses import dataclass
 from servicekit import redis_client
 from servicekit.flags import (
     drain_grace_setting,
+    internal_token_setting,
     key_prefix_setting,
     redis_url_setting,
     service_parser,
     setting,
     settings_kwargs,
+    tls_ca_setting,
+    tls_cert_setting,
+    tls_key_setting,
 )
 from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat
-from servicekit.serving import service_main
+from servicekit.serving import is_loopback, service_main
+from servicekit.tls import TlsFiles
 from worker_service.config import ModelRunnerConfig
 from worker_service.simulated_runner import parse_step_latency
 
@@ -64,7 +69,22 @@ class WorkerSettings:
                                             "step sleeps a + b x scheduled tokens seconds and returns made-up "
                                             "deterministic tokens (default: off)")
 
+    # Security (README "Security"): mutual TLS with the schedulers and/or a shared token.
+    tls_cert_file: str = tls_cert_setting("the worker")
+    tls_key_file: str = tls_key_setting()
+    tls_ca_file: str = tls_ca_setting("schedulers must present a certificate it signed (mutual TLS; required with "
+                                      "--tls-cert-file)")
+    internal_token: str = internal_token_setting()
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
     def __post_init__(self) -> None:
+        self.tls.check(server=True)
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError("tls_ca_file: a worker with TLS must require client certificates (give the CA that "
+                             "signs the schedulers' certificates)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.heartbeat_ttl_s < 1:
@@ -119,13 +139,17 @@ class WorkerApp:
         self.servicer = WorkerServicer(
             self._runner, worker_id=s.worker_id, max_num_seqs=s.runner.max_num_seqs,
             max_num_batched_tokens=s.runner.max_num_batched_tokens, step_delay_s=s.step_delay_s)
-        self.lifecycle = build_server(self.servicer)
-        port = self.lifecycle.bind(f"{s.host}:{s.port}")
+        if redis_client.uses_redis(s):  # first: wrong credentials stop the worker before it listens
+            self._redis = redis_client.connect(s)
+            await redis_client.check_credentials(self._redis, s)
+        if not s.tls.enabled and not s.internal_token and not is_loopback(s.host):
+            log.warning("no TLS and no internal token: anyone who reaches %s:%d may drive this worker", s.host, s.port)
+        self.lifecycle = build_server(self.servicer, internal_token=s.internal_token)
+        port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
         await self.lifecycle.start()
         self.address = s.address_for(port)
         info = self._runner.info
         if redis_client.uses_redis(s):
-            self._redis = redis_client.connect(s)
             record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()

@@ -13,12 +13,23 @@ from servicekit.contract.errors import ERRORS_BY_CODE, InvalidArgumentError, Pag
 FIELD_METADATA_KEY = "pagedserve-field"
 
 
+# Details travel in a header whose size clients cap (16 KiB by default): a message that echoes a
+# client's input (an unknown 20 kB model name) must not turn a clear error into a broken stream.
+MAX_DETAILS_CHARS = 1024
+
+
+def _bounded(text: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 15] + "... (truncated)"
+
+
 def status_of(error: PagedServeError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    """``(code, details, trailing metadata)`` a typed error travels as."""
+    """``(code, details, trailing metadata)`` a typed error travels as (details at most
+    MAX_DETAILS_CHARS characters)."""
     if isinstance(error, InvalidArgumentError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error), ((FIELD_METADATA_KEY, error.field),)
+        return (grpc.StatusCode.INVALID_ARGUMENT, _bounded(str(error)),
+                ((FIELD_METADATA_KEY, _bounded(error.field, 128)),))
     code = error.code if isinstance(error.code, grpc.StatusCode) else grpc.StatusCode[error.code]
-    return code, error.message, ()
+    return code, _bounded(error.message), ()
 
 
 def error_from_rpc(err: grpc.RpcError) -> PagedServeError:

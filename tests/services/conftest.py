@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -42,22 +43,42 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory):
+def _answers(port: int) -> bool:
+    """A Redis on ``port`` answers (PONG, or NOAUTH when it wants a password)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
+
+
+def start_redis_server(workdir, *extra_args: str) -> RedisServer:
+    """A redis-server on a free loopback port, no persistence; ``extra_args`` add configuration
+    (``--requirepass``, ``--aclfile``)."""
     port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen(
         [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+         "--dir", str(workdir), *extra_args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 10
-    while not redis_pings(port):
+    while not (redis_pings(port) or _answers(port)):
         if time.monotonic() > deadline or proc.poll() is not None:
             proc.kill()
             raise RuntimeError("redis-server did not start")
         time.sleep(0.05)
-    yield RedisServer(port, proc)
-    proc.terminate()
-    proc.wait(10)
+    return RedisServer(port, proc)
+
+
+def stop_redis_server(server: RedisServer) -> None:
+    server.proc.terminate()
+    server.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield server
+    stop_redis_server(server)
 
 
 def _smollm2_gguf() -> Path:

@@ -21,13 +21,18 @@ def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def test_compose_file_validates_against_the_compose_spec():
+def check_against_compose_spec(path: Path) -> None:
+    """``path`` validates against the Compose spec (skips without check-jsonschema)."""
     tool = shutil.which("check-jsonschema") or str(Path(sys.executable).with_name("check-jsonschema"))
     if not Path(tool).exists():
         pytest.skip("check-jsonschema is not installed")
-    result = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+    result = subprocess.run([tool, "--builtin-schema", "vendor.compose-spec", str(path)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_file_validates_against_the_compose_spec():
+    check_against_compose_spec(COMPOSE)
 
 
 def test_stack_has_redis_gateway_scheduler_and_worker_all_with_healthchecks(compose):
