@@ -33,7 +33,7 @@ from .manifests import OVERLAYS, container_env, find, named_port, one, pod_spec,
 ROLES: dict[str, ModuleType] = {
     "gateway": gateway_service.main, "scheduler": scheduler_service.main, "worker": worker_service.main}
 # Variables read outside the flags: the C kernel's cache (kernels/native.py).
-NON_FLAG_VARIABLES = {"PAGEDSERVE_KERNEL_CACHE"}
+NON_FLAG_VARIABLES: set[str] = set()  # PAGEDSERVE_KERNEL_CACHE is the worker's --kernel-cache now
 # Flags the HTTP-API and metrics work adds (settings.env says so); named ahead so wiring is one line.
 PENDING_FLAG_VARIABLES = {"PAGEDSERVE_HTTP_PORT", "PAGEDSERVE_METRICS_PORT"}
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
