@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from gateway_service import convert
 from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.metrics import GatewayMetrics
 from servicekit.contract.api import Usage
 from gateway_service.model_limits import ModelLimitsView
 from servicekit.contract.api import ModelInfo
@@ -49,8 +50,9 @@ class GenerationService:
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
-                 prompt_bytes_per_token: int = 16) -> None:
+                 prompt_bytes_per_token: int = 16, metrics: GatewayMetrics | None = None) -> None:
         self.model = model
+        self._metrics = metrics
         self._prompt_bytes_per_token = prompt_bytes_per_token
         self._keys = keys
         self.tokenizer = tokenizer
@@ -151,10 +153,14 @@ class GenerationService:
                     record = convert.engine_request_to_record(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
+                    sent = time.perf_counter()
                     await self._queue.admit(request_id, record, digests, self._fanout.wake_key)
+                    if self._metrics is not None:
+                        self._metrics.redis_admit.observe(time.perf_counter() - sent)
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             reading = True
+            timer = self._metrics.start() if self._metrics is not None else None
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
@@ -162,6 +168,8 @@ class GenerationService:
                 async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
                     if chunk.finish_reason is not None:
                         finished = True
+                    if timer is not None:
+                        timer.chunk(chunk)
                     yield chunk
             except PagedServeError:
                 # Redis away (the request lives on; the client resumes it by id), or the request's

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
+from prometheus_client import CollectorRegistry
+
 from gateway_service import convert
 from gateway_service.generation import GenerationService
 from servicekit.proto.pb import GENERATION_SERVICE, generation_pb2_grpc
@@ -36,7 +38,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return convert.model_info_to_pb(await self._service.served_limits(""))
 
 
-def build_server(service: GenerationService) -> ServerLifecycle:
-    lifecycle = ServerLifecycle([GENERATION_SERVICE])
+def build_server(service: GenerationService, registry: CollectorRegistry | None = None) -> ServerLifecycle:
+    lifecycle = ServerLifecycle([GENERATION_SERVICE], registry=registry)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), lifecycle.server)
     return lifecycle

@@ -20,6 +20,9 @@ class GatewaySettings:
                                               "the name the workers were started with")
     host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
     port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    http_host: str = setting("", help="interface of the OpenAI-compatible HTTP API and /metrics (empty: --host)")
+    http_port: int = setting(8000, help="port of the OpenAI-compatible HTTP API and /metrics (0 = any free port, "
+                                        "-1 = no HTTP)")
     redis_url: str = redis_url_setting()
     key_prefix: str = key_prefix_setting()
     max_queued_requests: int = setting(
@@ -44,6 +47,8 @@ class GatewaySettings:
             raise ValueError("model: must be non-empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"http_port: must be in [-1, 65536), got {self.http_port}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.redis_outage_s <= 0:

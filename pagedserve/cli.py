@@ -66,6 +66,8 @@ def build_parser(env) -> argparse.ArgumentParser:
     add_flag(serve, env, "model", default="smollm2-135m", help="short name, Hugging Face folder or .gguf file")
     add_flag(serve, env, "host", default="127.0.0.1", help="gateway interface")
     add_flag(serve, env, "port", type=int, default=50051, help="gateway port")
+    add_flag(serve, env, "http-port", type=int, default=8000,
+             help="gateway's OpenAI-compatible HTTP port (0: a free one, -1: none)")
     serve.add_argument("--scheduler-port", type=int, default=50052, help="scheduler stats/health port")
     serve.add_argument("--worker-port", type=int, default=50061, help="worker port")
     serve.add_argument("--redis-port", type=int, default=0, help="port of the Redis started here (0: a free one)")
@@ -190,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pagedserve.launcher import StackOptions, serve
 
             return serve(StackOptions(
-                model=args.model, host=args.host, port=args.port, scheduler_port=args.scheduler_port,
+                model=args.model, host=args.host, port=args.port, http_port=args.http_port,
+                scheduler_port=args.scheduler_port,
                 worker_port=args.worker_port, redis_port=args.redis_port, redis_url=args.redis_url,
                 key_prefix=args.key_prefix, log_level=args.log_level, drain_grace_s=args.drain_grace_s,
                 worker_args=args.worker_arg))

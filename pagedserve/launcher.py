@@ -72,6 +72,7 @@ class StackOptions:
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 50051  # gateway
+    http_port: int = 8000  # gateway's OpenAI-compatible HTTP API (-1: none)
     scheduler_port: int = 50052
     worker_port: int = 50061
     redis_port: int = 0  # 0 = a free port
@@ -122,7 +123,8 @@ class Stack:
         self._wait_serving(worker)
         scheduler = self._service("scheduler", ["--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
                                                 "--port", str(o.scheduler_port), *common], o.scheduler_port)
-        gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port), *common],
+        gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port),
+                                            "--http-port", str(o.http_port), *common],
                                 o.port)
         self._wait_serving(scheduler)
         self._wait_serving(gateway)
@@ -199,7 +201,10 @@ def serve(options: StackOptions) -> int:
               f"  try:  pagedserve generate \"The capital of France is\" --address {address} --stream\n"
               f"        python -c \"from pagedserve.client import Client; "
               f"print(Client('{address}').generate('Hello', max_tokens=32).text)\"\n"
-              f"  Ctrl-C stops everything.\n", flush=True)
+              + (f"        curl http://{options.host}:{options.http_port}/v1/completions -H 'Content-Type: "
+                 f"application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 32}}'\n"
+                 if options.http_port > 0 else "")
+              + "  Ctrl-C stops everything.\n", flush=True)
         while not stop_requested:
             dead = stack.first_exited()
             if dead is not None:

@@ -132,6 +132,11 @@ class Stack:
         return f"127.0.0.1:{self.scheduler.port}"
 
     @property
+    def http_url(self) -> str:
+        """The gateway's OpenAI-compatible API, as an ``openai`` client's ``base_url``."""
+        return f"http://127.0.0.1:{self.gateway.http_port}/v1"
+
+    @property
     def worker_address(self) -> str:
         return self.worker.address
 
@@ -156,7 +161,7 @@ async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
                                                poll_block_ms=200, drain_grace_s=2))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, redis_url=redis_server.url,
+    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_server.url,
                                          read_block_ms=200, drain_grace_s=2), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     yield Stack(worker, scheduler, gateway, redis_server.url, tiny_model_dir)

@@ -54,7 +54,7 @@ async def test_draining_gateway_is_not_serving_refuses_new_calls_and_finishes_li
     from gateway_service.main import GatewayApp
     from gateway_service.settings import GatewaySettings
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, redis_url=stack.redis_url, read_block_ms=200),
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200),
                          hf_tokenizer=hf_tokenizer)
     await gateway.start()
     address = f"127.0.0.1:{gateway.port}"
@@ -86,7 +86,7 @@ async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer, r
         block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids), ttl_s=30)
     await heartbeat.start()
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, redis_url=redis_server.url,
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=redis_server.url,
                                          key_prefix="qlimit:", max_queued_requests=2, read_block_ms=200),
                          hf_tokenizer=hf_tokenizer)
     await gateway.start()
@@ -118,7 +118,7 @@ async def test_sdk_retries_unavailable_until_a_gateway_answers(stack, hf_tokeniz
         pending = asyncio.create_task(client.generate("patience", max_tokens=3, ignore_eos=True))
         await asyncio.sleep(0.5)  # the first tries find nothing listening: UNAVAILABLE
         assert not pending.done()
-        gateway = GatewayApp(GatewaySettings(model=stack.model, port=port, redis_url=stack.redis_url,
+        gateway = GatewayApp(GatewaySettings(model=stack.model, port=port, http_port=0, redis_url=stack.redis_url,
                                              read_block_ms=200), hf_tokenizer=hf_tokenizer)
         await gateway.start()
         try:
