@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from servicekit.flags import drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.flags import check_port, drain_grace_setting, key_prefix_setting, redis_url_setting, setting
 from servicekit.redis_keys import RedisKeys
 
 DEFAULT_PORT = 50051
@@ -45,10 +45,8 @@ class GatewaySettings:
         RedisKeys(self.key_prefix)
         if not self.model:
             raise ValueError("model: must be non-empty")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
-        if not -1 <= self.http_port < 65536:
-            raise ValueError(f"http_port: must be in [-1, 65536), got {self.http_port}")
+        check_port("port", self.port)
+        check_port("http_port", self.http_port, allow_off=True)
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.redis_outage_s <= 0:

@@ -31,12 +31,14 @@ from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
 from servicekit.redis_keys import RedisKeys, ensure_request_group
+from servicekit.metrics import MetricsPort
 from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
 from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
+from scheduler_service.metrics import SchedulerCollector
 from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
@@ -71,6 +73,7 @@ class ServiceStats:
     num_reclaimed: int = 0  # entries taken over from dead schedulers
     num_dead_lettered: int = 0  # requests given up after too many takeovers
     num_taken_over: int = 0  # requests this scheduler held that another one took over
+    num_worker_failovers: int = 0  # workers lost while holding requests
 
 
 class SchedulerApp:
@@ -98,6 +101,9 @@ class SchedulerApp:
         self.num_reclaimed = 0
         self.num_dead_lettered = 0
         self.num_taken_over = 0
+        self.num_worker_failovers = 0
+        self.metrics: MetricsPort | None = None
+        self.metrics_port = -1  # -1: /metrics not served
         self.port = 0
 
     @property
@@ -119,6 +125,9 @@ class SchedulerApp:
         self.lifecycle = build_server(self)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}")
         await self.lifecycle.start()
+        self.lifecycle.registry.register(SchedulerCollector(self.stats))
+        self.metrics = MetricsPort(self.lifecycle.registry, name="scheduler")
+        self.metrics_port = await self.metrics.start(s.host, s.metrics_port)
         self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,
                                on_finished=self._count_finished, stranded=lambda: len(self._backlog),
@@ -148,6 +157,8 @@ class SchedulerApp:
         if self.lifecycle is not None:
             await self.lifecycle.drain(grace, self._wait_engines_idle)
         await cancel_and_wait(self._tasks)
+        if self.metrics is not None:
+            await self.metrics.stop()
         leftover = list(self._held_entries())
         if self.pool is not None:
             await self.pool.stop()
@@ -175,7 +186,8 @@ class SchedulerApp:
             WorkerStatsView(e.address, e.description.info.model, e.connected, e.num_steps, e.core.stats(),
                             e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing)
             for e in self.engines.values()],
-            self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over)
+            self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over,
+            self.num_worker_failovers)
 
     def _count_finished(self, num_finished: int, num_aborted: int) -> None:
         self.num_finished += num_finished
@@ -252,6 +264,7 @@ class SchedulerApp:
         """A worker was lost: its requests (prompt + delivered outputs) go first in line."""
         if handed:
             log.info("resuming %d requests of lost worker %s", len(handed), engine.address)
+            self.num_worker_failovers += 1
         self.num_resumed += len(handed)
         self._backlog.extendleft(reversed(handed))
         self._capacity.set()

@@ -154,10 +154,11 @@ async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
 
     runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
                          hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_server.url,
+    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_server.url,
                                       drain_grace_s=2), runner=runner)
     await worker.start()
     scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_server.url, workers=(worker.address,), port=0,
+                                               metrics_port=0,
                                                poll_block_ms=200, drain_grace_s=2))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
