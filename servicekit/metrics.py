@@ -16,8 +16,10 @@ Names of our own metrics start with :data:`PREFIX`, as vLLM's start with ``vllm:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
+from collections.abc import Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app
@@ -82,43 +84,39 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         # (grpc.health.v1 Watch): wrap each as what it is.
         return self._stream(behavior, labels) if inspect.isasyncgenfunction(behavior) else self._unary(behavior, labels)
 
-    def _done(self, labels: tuple[str, str, str], start: float, context, exc: BaseException | None) -> None:
-        status = context.code()  # set by context.abort / set_code; None when the handler just returned
-        if isinstance(status, grpc.StatusCode):
-            code = status.name
-        elif isinstance(exc, asyncio.CancelledError):
-            code = "CANCELLED"  # the client went away or its deadline passed
-        else:
-            code = "OK" if exc is None else "UNKNOWN"
-        self._handled.labels(*labels, code).inc()
-        self._seconds.labels(*labels).observe(time.perf_counter() - start)
+    @contextlib.contextmanager
+    def _measured(self, labels: tuple[str, str, str], context) -> Iterator[None]:
+        """Counts the RPC started, then handled with its status code, and times it."""
+        self._started.labels(*labels).inc()
+        start, exc = time.perf_counter(), None
+        try:
+            yield
+        except BaseException as e:
+            exc = e
+            raise
+        finally:
+            status = context.code()  # set by context.abort / set_code; None when the handler just returned
+            if isinstance(status, grpc.StatusCode):
+                code = status.name
+            elif isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                code = "CANCELLED"  # the client went away or its deadline passed
+            else:
+                code = "OK" if exc is None else "UNKNOWN"
+            self._handled.labels(*labels, code).inc()
+            self._seconds.labels(*labels).observe(time.perf_counter() - start)
 
     def _unary(self, behavior, labels):
         async def unary(request, context):
-            self._started.labels(*labels).inc()
-            start, exc = time.perf_counter(), None
-            try:
+            with self._measured(labels, context):
                 result = behavior(request, context)
                 return await result if inspect.isawaitable(result) else result
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                self._done(labels, start, context, exc)
         return unary
 
     def _stream(self, behavior, labels):
         async def stream(request, context):
-            self._started.labels(*labels).inc()
-            start, exc = time.perf_counter(), None
-            try:
+            with self._measured(labels, context):
                 async for response in behavior(request, context):
                     yield response
-            except BaseException as e:
-                exc = e
-                raise
-            finally:
-                self._done(labels, start, context, exc)
         return stream
 
 

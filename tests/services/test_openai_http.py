@@ -10,13 +10,11 @@ import urllib.request
 
 import openai
 import pytest
-import redis.asyncio as aioredis
 
 from pagedserve.aio_client import AsyncClient
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat, WorkerRecord
 
+from .conftest import queue_limited_gateway
 from .test_generation import scheduler_stats, wait_until_kv_free
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
@@ -274,25 +272,10 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(stack):
     assert stats.workers[0].num_free_blocks == stats.workers[0].num_total_blocks
 
 
-async def test_a_full_queue_is_a_429(stack, hf_tokenizer, redis_server):
+async def test_a_full_queue_is_a_429(stack, hf_tokenizer):
     """A key prefix with no scheduler: requests wait in Redis; the third one is refused."""
-    from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
-
-    keys = RedisKeys("qlimit-http:")
-    redis = aioredis.from_url(redis_server.url)
-    info = stack.worker.info
-    heartbeat = Heartbeat(redis, keys, WorkerRecord(
-        worker_id="absent", address="127.0.0.1:1", model=stack.model, num_blocks=info.num_blocks,
-        block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids), ttl_s=30)
-    await heartbeat.start()
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=redis_server.url,
-                                         key_prefix="qlimit-http:", max_queued_requests=2, read_block_ms=200),
-                         hf_tokenizer=hf_tokenizer)
-    await gateway.start()
-    base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
-    try:
+    async with queue_limited_gateway(stack, hf_tokenizer, "qlimit-http:", 2) as (gateway, redis, keys):
+        base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
         async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as client:
             waiting = [asyncio.create_task(client.completions.create(model=stack.model, prompt=f"queued {i}",
                                                                      max_tokens=4)) for i in range(2)]
@@ -300,13 +283,9 @@ async def test_a_full_queue_is_a_429(stack, hf_tokenizer, redis_server):
                 await asyncio.sleep(0.01)
             with pytest.raises(openai.RateLimitError) as caught:
                 await client.completions.create(model=stack.model, prompt="one too many", max_tokens=4)
-            assert caught.value.status_code == 429
+            assert caught.value.status_code == 429 and caught.value.body["type"] == "RateLimitError"
             for task in waiting:
                 task.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
-        while gateway.service.in_flight:  # the disconnects reach the server and end both calls
+        while gateway.service.in_flight:  # the disconnects reach the server and end both waiting calls
             await asyncio.sleep(0.01)
-    finally:
-        await gateway.drain(1)
-        await heartbeat.stop()
-        await redis.aclose()
