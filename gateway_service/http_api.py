@@ -90,6 +90,43 @@ async def _until_disconnect(request: Request, work: asyncio.Task):
     return work.result()
 
 
+async def sse_events(item, queue: asyncio.Queue, num_live: int, choices: list[ChoiceState], responder: Responder,
+                     tasks: list[asyncio.Task]) -> AsyncIterator[bytes]:
+    """The SSE stream of a call whose first queue item is ``item``, ``num_live`` choices still
+    streaming (``OpenAIHttpApi._pump`` fills ``queue``; ``tasks`` are the pumps): one event per
+    chunk of any choice, then the usage chunk (if asked), then ``[DONE]``. An error after the first
+    event is an error event before ``[DONE]``. Starlette cancels this when the client disconnects;
+    ``finally`` then cancels the pumps, which aborts their requests."""
+    try:
+        while True:
+            index, payload = item
+            if isinstance(payload, PagedServeError):
+                yield _sse(error_body(payload)[1])
+                break
+            if payload is None:
+                num_live -= 1
+                if num_live == 0:
+                    if responder.req.include_usage:
+                        yield _sse(responder.usage_chunk(choices))
+                    break
+            else:
+                event = _delta(choices[index], payload, responder)
+                if event is not None:
+                    yield _sse(event)
+            item = await queue.get()
+        yield _sse("[DONE]")
+    finally:
+        await cancel_and_wait(tasks)
+
+
+def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
+    offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
+    text, logprobs, _ids = choice.add(chunk, responder.req.include_stop_str)
+    if not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs):
+        return None  # token ids that end mid-character: their text comes with the next chunk
+    return responder.delta(choice, text, logprobs, offset)
+
+
 class OpenAIHttpApi:
     """The routes, over one :class:`GenerationService`; ``registry`` is what ``/metrics`` shows."""
 
@@ -155,7 +192,7 @@ class OpenAIHttpApi:
             if isinstance(first[1], PagedServeError):
                 return _error(first[1])
             if req.stream:
-                events = self._events(first, queue, tasks, choices, responder)
+                events = sse_events(first, queue, len(tasks), choices, responder, tasks)
                 tasks = []  # the stream owns them now
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
@@ -201,42 +238,6 @@ class OpenAIHttpApi:
             else:
                 choices[index].add(payload, include_stop_str)
             item = await queue.get()
-
-    async def _events(self, item, queue: asyncio.Queue, tasks: list[asyncio.Task], choices: list[ChoiceState],
-                      responder: Responder) -> AsyncIterator[bytes]:
-        """The SSE stream: one event per chunk of any choice, then the usage chunk (if asked),
-        then ``[DONE]``. An error after the first event is an error event before ``[DONE]``.
-        Starlette cancels this when the client disconnects; ``finally`` then cancels the pumps,
-        which aborts their requests."""
-        num_live = len(tasks)
-        try:
-            while True:
-                index, payload = item
-                if isinstance(payload, PagedServeError):
-                    yield _sse(error_body(payload)[1])
-                    break
-                if payload is None:
-                    num_live -= 1
-                    if num_live == 0:
-                        if responder.req.include_usage:
-                            yield _sse(responder.usage_chunk(choices))
-                        break
-                else:
-                    event = self._delta(choices[index], payload, responder)
-                    if event is not None:
-                        yield _sse(event)
-                item = await queue.get()
-            yield _sse("[DONE]")
-        finally:
-            await cancel_and_wait(tasks)
-
-    @staticmethod
-    def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
-        offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
-        text, logprobs, _ids = choice.add(chunk, responder.req.include_stop_str)
-        if not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs):
-            return None  # token ids that end mid-character: their text comes with the next chunk
-        return responder.delta(choice, text, logprobs, offset)
 
     # -- the rest -------------------------------------------------------------------------------------
 

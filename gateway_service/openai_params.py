@@ -22,6 +22,7 @@ from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
 
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
 MAX_N = 16  # choices per request: each is one admitted request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to what the model has room for
 
@@ -84,6 +85,8 @@ def _get(body: dict, key: str, kinds: type | tuple[type, ...], default: Any = No
         raise InvalidArgumentError(key, f"must be {_kind_name(kinds)}, got {value!r}")
     if not isinstance(value, kinds):
         raise InvalidArgumentError(key, f"must be {_kind_name(kinds)}, got {type(value).__name__}")
+    if kinds is int and key != "seed" and not INT32_MIN <= value <= INT32_MAX:  # seed: SamplingParams checks it
+        raise InvalidArgumentError(key, f"out of range: {value}")
     return value
 
 
@@ -118,10 +121,16 @@ def _stop(body: dict) -> tuple[str, ...]:
     raise InvalidArgumentError("stop", "must be a string or a list of strings")
 
 
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` is a list of token ids (non-negative integers that fit a record)."""
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in value)
+
+
 def _int_list(body: dict, key: str) -> tuple[int, ...]:
     value = _get(body, key, list, [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidArgumentError(key, "must be a list of integers")
+    if not _token_ids(value):
+        raise InvalidArgumentError(key, "must be a list of token ids (integers >= 0)")
     return tuple(value)
 
 
@@ -177,11 +186,9 @@ def parse_completion(body: Any) -> OpenAIRequest:
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif prompt and _token_ids(prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in p)) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
         prompts = list(prompt)
     else:
         raise InvalidArgumentError("prompt", "must be a string, a list of strings, a list of token ids or a "
