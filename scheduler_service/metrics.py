@@ -1,6 +1,7 @@
 """The scheduler's Prometheus metrics, read from :meth:`SchedulerApp.stats` at each scrape.
 
-Pulled, not pushed: the scheduler's counters and queue lengths already exist (the ``Stats`` RPC
+Pulled, not pushed (all but the queue-time histogram, observed by each ``WorkerEngine``): the
+scheduler's counters and queue lengths already exist (the ``Stats`` RPC
 shows them), so a collector turns one consistent snapshot into metric families, and no code in
 the scheduling path changes for metrics. The scrape runs on the scheduler's event loop
 (``servicekit.metrics.MetricsPort``), where the counters are only ever changed.
@@ -14,10 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from servicekit.metrics import PREFIX
+from servicekit.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
+
+
+def queue_time_histogram(registry: CollectorRegistry) -> Callable[[str, float], None]:
+    """``observe(model, seconds)`` of vLLM's ``request_queue_time_seconds``: a request's time from
+    its arrival (the gateway's clock) to its first scheduling (``WorkerEngine``)."""
+    histogram = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduling.",
+                          ["model_name"], buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+    return lambda model, seconds: histogram.labels(model).observe(seconds)
 
 
 class SchedulerCollector(Collector):

@@ -38,7 +38,7 @@ from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentErr
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
-from scheduler_service.metrics import SchedulerCollector
+from scheduler_service.metrics import SchedulerCollector, queue_time_histogram
 from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
@@ -131,7 +131,8 @@ class SchedulerApp:
         self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,
                                on_finished=self._count_finished, stranded=lambda: len(self._backlog),
-                               on_starving=self._hand_back_backlog)
+                               on_starving=self._hand_back_backlog,
+                               on_queue_time=queue_time_histogram(self.lifecycle.registry))
         abort_cursor = await self.queue.last_abort_id()  # before intake: no abort slips between
         await self.pool.start()
         self._tasks = [

@@ -96,6 +96,9 @@ async def test_scheduler_reports_routing_prefix_cache_and_queues_per_worker(stac
         return after.get(name, **labels, **extra) - before.get(name, **labels, **extra)
 
     assert moved("pagedserve:requests_routed_total") == 2
+    queue_time = dict(model_name=stack.worker.info.model)
+    assert after.get("pagedserve:request_queue_time_seconds_count", **queue_time) - before.get(
+        "pagedserve:request_queue_time_seconds_count", **queue_time) == 2
     hits = moved("pagedserve:prefix_cache_hits_total")
     assert hits == second.usage.cached_prompt_tokens > 0 and first.usage.cached_prompt_tokens == 0
     assert moved("pagedserve:prefix_cache_queries_total") >= first.usage.prompt_tokens + hits
