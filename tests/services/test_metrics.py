@@ -4,7 +4,9 @@ parser: the counters and histograms move as the traffic the test sends says they
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import re
 import urllib.request
 
 import openai
@@ -15,6 +17,7 @@ from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import InvalidArgumentError
 from servicekit.metrics import TTFT_BUCKETS
 
+from .conftest import REPO
 from .test_generation import scheduler_stats, wait_until_kv_free
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
@@ -130,3 +133,17 @@ async def test_worker_reports_steps_and_its_step_stream(stack):
     assert after.get("pagedserve:worker_kv_blocks", **labels) == stack.worker.info.num_blocks
     step = dict(grpc_method="Step", grpc_type="BIDI_STREAM")
     assert after.get("grpc_server_started_total", **step) >= 1
+
+
+async def test_every_metric_of_the_grafana_dashboard_is_served(stack):
+    """deploy/grafana/pagedserve.json asks only for metrics some service serves."""
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        await sdk.generate("Dashboard", max_tokens=3, ignore_eos=True)
+    served = set()
+    for port in (stack.gateway.http_port, stack.scheduler.metrics_port, stack.worker.metrics_port):
+        served |= {name for name, _labels, _value in (await scrape(port)).samples}
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pagedserve.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    asked = {name for expr in exprs for name in re.findall(r"\b(?:pagedserve:|grpc_server_)[a-z0-9_]+", expr)}
+    assert len(asked) >= 20
+    assert asked <= served, sorted(asked - served)
