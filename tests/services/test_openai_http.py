@@ -289,3 +289,38 @@ async def test_a_full_queue_is_a_429(stack, hf_tokenizer):
             await asyncio.gather(*waiting, return_exceptions=True)
         while gateway.service.in_flight:  # the disconnects reach the server and end both waiting calls
             await asyncio.sleep(0.01)
+
+
+async def test_echo_and_cache_salt_are_applied(stack):
+    prompt = "A salted prompt long enough to fill a couple of KV-cache blocks, or so one hopes. " * 3
+    async with async_client(stack) as client:
+        echoed = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, echo=True, **GREEDY)
+        plain = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, **GREEDY)
+        salted = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, temperature=0,
+                                                 extra_body={"ignore_eos": True, "cache_salt": "tenant-b"})
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0  # the echoed call cached the prompt
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another salt shares no prefix
+    assert salted.choices[0].text == plain.choices[0].text
+
+
+async def test_a_draining_gateway_answers_503_and_finishes_live_http_streams(stack, hf_tokenizer):
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         read_block_ms=200), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        stream = await client.completions.create(model=stack.model, prompt="Drain me slowly", max_tokens=60,
+                                                 stream=True, **GREEDY)
+        chunks = [await stream.__anext__()]
+        drain = asyncio.create_task(gateway.drain(grace_s=30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.completions.create(model=stack.model, prompt="too late", max_tokens=2)
+        assert caught.value.status_code == 503
+        chunks += [c async for c in stream]
+        await asyncio.wait_for(drain, 30)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
