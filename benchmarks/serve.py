@@ -27,6 +27,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,46 +92,59 @@ def summarize(name: str, results: list[RequestResult], duration: float) -> dict:
     }
 
 
+async def drive(requests: list[BenchRequest], rate: float, seed: int,
+                chunks: Callable[[BenchRequest], AsyncIterator[tuple[int, bool]]]) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` (all at once, or as a Poisson process of ``rate``) and time each one's
+    chunks: ``chunks(request)`` yields (tokens it adds to the count, whether output arrived)."""
+    rng = random.Random(seed)
+
+    async def one(req: BenchRequest, delay: float) -> RequestResult:
+        await asyncio.sleep(delay)
+        result = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids))
+        start = last = time.perf_counter()
+        arrived_before = False
+        try:
+            async for new_tokens, arrived in chunks(req):
+                now = time.perf_counter()
+                if arrived:
+                    if not arrived_before:
+                        result.ttft, arrived_before = now - start, True
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                result.output_tokens += new_tokens
+            result.e2e = time.perf_counter() - start
+            result.ok = result.output_tokens == req.max_tokens
+            if not result.ok:
+                result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
+        except Exception as exc:  # a failed request is counted, not fatal
+            result.error = f"{type(exc).__name__}: {exc}"[:200]
+        return result
+
+    delays, t = [], 0.0
+    for _ in requests:
+        delays.append(t)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
+    return list(results), time.perf_counter() - started
+
+
 async def run_stack(address: str, requests: list[BenchRequest], rate: float, temperature: float,
                     seed: int) -> tuple[list[RequestResult], float]:
     from pagedserve.aio_client import AsyncClient
 
-    rng = random.Random(seed)
     async with AsyncClient(address, timeout=3600) as client:
         await client.generate([requests[0].prompt_token_ids[0]], max_tokens=2)  # warm-up
 
-        async def one(req: BenchRequest, delay: float) -> RequestResult:
-            await asyncio.sleep(delay)
-            result = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids))
-            start = last = time.perf_counter()
-            try:
-                async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens, ignore_eos=True,
-                                         temperature=temperature, seed=req.seed) as stream:
-                    async for chunk in stream:
-                        now = time.perf_counter()
-                        if chunk.token_ids:
-                            if result.output_tokens == 0:
-                                result.ttft = now - start
-                            else:
-                                result.itl.append(now - last)
-                            last = now
-                            result.output_tokens += len(chunk.token_ids)
-                result.e2e = time.perf_counter() - start
-                result.ok = result.output_tokens == req.max_tokens
-                if not result.ok:
-                    result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
-            except Exception as exc:  # a failed request is counted, not fatal
-                result.error = f"{type(exc).__name__}: {exc}"[:200]
-            return result
+        async def chunks(req: BenchRequest) -> AsyncIterator[tuple[int, bool]]:
+            async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens, ignore_eos=True,
+                                     temperature=temperature, seed=req.seed) as stream:
+                async for chunk in stream:
+                    yield len(chunk.token_ids), bool(chunk.token_ids)
 
-        delays, t = [], 0.0
-        for _ in requests:
-            delays.append(t)
-            if math.isfinite(rate):
-                t += rng.expovariate(rate)
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
-        return list(results), time.perf_counter() - started
+        return await drive(requests, rate, seed, chunks)
 
 
 def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:
@@ -144,49 +158,21 @@ def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int) -> li
 async def run_openai(base_url: str, model: str, requests: list[BenchRequest], rate: float, temperature: float,
                      seed: int) -> tuple[list[RequestResult], float]:
     """The same load through the official ``openai`` client, streamed, token counts from the
-    ``include_usage`` chunk."""
+    ``include_usage`` chunk (a chunk's text arriving marks TTFT and ITL)."""
     import openai
 
-    rng = random.Random(seed)
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600) as client:
         await client.completions.create(model=model, prompt=[requests[0].prompt_token_ids[0]], max_tokens=2)
 
-        async def one(req: BenchRequest, delay: float) -> RequestResult:
-            await asyncio.sleep(delay)
-            result = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids))
-            start = last = time.perf_counter()
-            try:
-                stream = await client.completions.create(
-                    model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens, temperature=temperature,
-                    seed=req.seed, stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True})
-                got_text = False
-                async for chunk in stream:
-                    now = time.perf_counter()
-                    if chunk.choices and chunk.choices[0].text:
-                        if not got_text:
-                            result.ttft, got_text = now - start, True
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                    if chunk.usage is not None:
-                        result.output_tokens = chunk.usage.completion_tokens
-                result.e2e = time.perf_counter() - start
-                result.ok = result.output_tokens == req.max_tokens
-                if not result.ok:
-                    result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
-            except Exception as exc:  # a failed request is counted, not fatal
-                result.error = f"{type(exc).__name__}: {exc}"[:200]
-            return result
+        async def chunks(req: BenchRequest) -> AsyncIterator[tuple[int, bool]]:
+            stream = await client.completions.create(
+                model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens, temperature=temperature,
+                seed=req.seed, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                usage = chunk.usage.completion_tokens if chunk.usage is not None else 0
+                yield usage, bool(chunk.choices and chunk.choices[0].text)
 
-        delays, t = [], 0.0
-        for _ in requests:
-            delays.append(t)
-            if math.isfinite(rate):
-                t += rng.expovariate(rate)
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
-        return list(results), time.perf_counter() - started
+        return await drive(requests, rate, seed, chunks)
 
 
 def run_llm(model: str, requests: list[BenchRequest], temperature: float, engine_options: dict
