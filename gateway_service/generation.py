@@ -145,6 +145,7 @@ class GenerationService:
         self._enter()
         sub = self._fanout.subscribe(self._keys.output(request_id))
         reading = finished = False  # reading: counted among the request's readers in Redis
+        timer = None
         try:
             try:
                 if inp.resume_from_index is not None:
@@ -181,6 +182,8 @@ class GenerationService:
             if reading:
                 if not finished:
                     log.info("request %s left by a client: aborting it unless another call reads it", request_id)
+                    if timer is not None:
+                        timer.client_left()
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
 

@@ -75,3 +75,8 @@ class RequestTimer:
             self._m.prompt_tokens.inc(chunk.usage.prompt_tokens)
             self._m.generation_tokens.inc(chunk.usage.completion_tokens)
             self._m.finished(str(chunk.finish_reason))
+
+    def client_left(self) -> None:
+        """The call ended before its request finished (client gone, deadline): vLLM counts such
+        requests as finished with reason ``abort``."""
+        self._m.finished("abort")

@@ -16,6 +16,7 @@ from servicekit.contract.sampling_params import SamplingParams
 
 from .conftest import queue_limited_gateway
 from .test_generation import scheduler_stats, wait_until_kv_free
+from .test_metrics import scrape
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 
@@ -254,6 +255,8 @@ async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
 
 
 async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(stack):
+    aborts = dict(model_name=stack.model, finished_reason="abort")
+    before = await scrape(stack.gateway.http_port)
     async with async_client(stack) as client:
         stream = await client.completions.create(model=stack.model, prompt="A very long story begins",
                                                  max_tokens=400, stream=True, **GREEDY)
@@ -268,8 +271,16 @@ async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(stack):
         await stream.close()
 
     stats = await wait_until_kv_free(stack.scheduler_address)
+    for _ in range(100):  # the scheduler counts the abort just after it frees the blocks
+        if stats.num_aborted > aborted_before:
+            break
+        await asyncio.sleep(0.02)
+        stats = await scheduler_stats(stack.scheduler_address)
     assert stats.num_aborted == aborted_before + 1
     assert stats.workers[0].num_free_blocks == stats.workers[0].num_total_blocks
+    after = await scrape(stack.gateway.http_port)
+    assert after.get("pagedserve:request_success_total", **aborts) == before.get(
+        "pagedserve:request_success_total", **aborts) + 1
 
 
 async def test_a_full_queue_is_a_429(stack, hf_tokenizer):
