@@ -15,6 +15,9 @@ Topologies (workers w, schedulers s; README "Scaling and fault tolerance"):
   3w2s          the lone worker of the scheduler driving one dies (hand-back; then the fair share
                 gives that scheduler one of the other's two)
   2w-one-sched  3 workers: both workers of the scheduler driving two die; the third serves all
+  2w1s-redis-primary  Redis is a primary + a replica + three Sentinels (failing over after 1 s of
+                silence), the services reach it through the Sentinels; the primary dies, the
+                Sentinels promote the replica (README "Redis high availability")
 
 Reported (goals in brackets): requests lost [0], duplicated indices [0], missing indices [0],
 outputs that differ from the reference [0], the longest stall a client saw (largest gap between
@@ -55,6 +58,7 @@ class Topology:
     num_schedulers: int
     victims: str  # what dies, in words
     rejoin: bool = False  # a new worker joins --rejoin-after-s after the kill
+    redis_primary: bool = False  # Redis runs with Sentinels and its primary is the victim
 
 
 TOPOLOGIES = {
@@ -63,6 +67,7 @@ TOPOLOGIES = {
     "1w1s-rejoin": Topology(1, 1, "the only worker; a new one joins later", rejoin=True),
     "3w2s": Topology(3, 2, "the lone worker of the scheduler that drives one"),
     "2w-one-sched": Topology(3, 2, "both workers of the scheduler that drives two"),
+    "2w1s-redis-primary": Topology(2, 1, "the Redis primary (the Sentinels promote its replica)", redis_primary=True),
 }
 
 
@@ -174,10 +179,14 @@ async def faulty_run(cluster, gateway: str, prompts, args, rng: random.Random) -
     async def killer() -> None:
         await killed.wait()
         driven, held = await cluster_view(cluster)
-        victims = choose_victims(args.topology, cluster.live("worker"), driven, held, rng)
+        if TOPOLOGIES[args.topology].redis_primary:
+            victims = [cluster.redis]
+        else:
+            victims = choose_victims(args.topology, cluster.live("worker"), driven, held, rng)
         info["driven_at_kill"] = driven
         info["victims"] = [v.name for v in victims]
-        info["victim_held_requests"] = sum(held.get(v.address, 0) for v in victims)
+        on_victims = [held.get(v.address, 0) for v in victims]
+        info["victim_held_requests"] = sum(held.values()) if victims == [cluster.redis] else sum(on_victims)
         info["delivered_at_kill"] = delivered["n"]
         info["kill_time"] = time.monotonic()
         for victim in victims:
@@ -191,6 +200,8 @@ async def faulty_run(cluster, gateway: str, prompts, args, rng: random.Random) -
     kill_task = asyncio.create_task(killer())
     records, start = await run_streams(gateway, prompts, args, on_tokens)
     await asyncio.wait_for(kill_task, 60)
+    if TOPOLOGIES[args.topology].redis_primary:
+        info["primary_port_before_after"] = [cluster.redis.port, cluster.primary_port()]
     info["records"], info["start"] = records, start
     return info
 
@@ -271,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedserve-chaos-") as tmp:
         cluster = LocalCluster(Path(tmp), key_prefix="chaosbench:", env={"OMP_NUM_THREADS": str(args.torch_threads)})
         try:
-            cluster.start_redis()
             topology = TOPOLOGIES[args.topology]
+            if topology.redis_primary:
+                cluster.start_redis_ha(num_replicas=1, num_sentinels=3, down_after_ms=1000, failover_timeout_ms=3000)
+            else:
+                cluster.start_redis()
             workers = [start_worker(cluster, args, f"worker-{i}") for i in range(topology.num_workers)]
             schedulers = [cluster.start("scheduler", f"scheduler-{i}", ["--consumer", f"scheduler-{i}"])
                           for i in range(topology.num_schedulers)]
@@ -321,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "streams": len(spans)},
         "victims": info["victims"], "victim_held_requests": info.get("victim_held_requests"),
         "driven_at_kill": info.get("driven_at_kill"),
+        "redis_primary_port_before_after": info.get("primary_port_before_after"),
         "killed_after_tokens": info.get("delivered_at_kill"), "total_tokens": info["total_tokens"],
         "reference_duration_s": ref_duration, "faulty_duration_s": faulty_duration,
         "loadavg_at_end": os.getloadavg(),

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the gpucheck package beside this file
 
 from gpucheck import wheels  # noqa: E402
-from gpucheck.common import REPO, Context, device_name, log, use_repo_imports  # noqa: E402
+from gpucheck.common import REPO, Context, device_name, use_repo_imports  # noqa: E402
 
 # name -> (seconds on CUDA, seconds dry). The CUDA budgets sum to 445 s: with the driver's start
 # and the carried wheels' install the whole check stays under 8 minutes on one H200. A section

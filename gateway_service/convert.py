@@ -8,6 +8,12 @@ from array import array
 
 import grpc
 
+from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
+from gateway_service.request_queue import RequestDigests
+from servicekit.contract.api import ModelInfo
+from servicekit.contract.chat import check_chat_message
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.sampling_params import SamplingParams
 from servicekit.proto.convert import (
     FINISH_REASON_FROM_PB,
     FINISH_REASON_TO_PB,
@@ -16,18 +22,18 @@ from servicekit.proto.convert import (
     sampling_params_from_pb,
     sampling_params_to_pb,
 )
-from servicekit.contract.chat import check_chat_message
-from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.pb import generation_pb2, queue_pb2
-from gateway_service.messages import GenerateChunk, GenerateInput, OutputRecord
-from servicekit.contract.api import ModelInfo
-from gateway_service.request_queue import RequestDigests
-from servicekit.contract.sampling_params import SamplingParams
+
+# A conversation's turns are bounded before they are copied or rendered (each turn costs template
+# tokens, so far more turns than this could not fit any served model's context anyway).
+MAX_CHAT_MESSAGES = 1024
 
 
 def _messages(chat) -> list[dict[str, str]]:
     """The turns of a Chat; raises InvalidArgumentError naming the first bad one
-    (``messages[1].role``)."""
+    (``messages`` when there are too many, else ``messages[1].role``)."""
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgumentError("messages", f"at most {MAX_CHAT_MESSAGES} chat messages, got {len(chat.messages)}")
     for i, m in enumerate(chat.messages):
         check_chat_message(i, m.role, m.content)
     return [{"role": m.role, "content": m.content} for m in chat.messages]

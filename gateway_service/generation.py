@@ -29,16 +29,16 @@ from redis.exceptions import RedisError
 from gateway_service import convert
 from gateway_service.messages import GenerateChunk, GenerateInput
 from gateway_service.metrics import GatewayMetrics
-from servicekit.contract.api import Usage
 from gateway_service.model_limits import ModelLimitsView
-from servicekit.contract.api import ModelInfo
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
 from gateway_service.text import OutputText, PromptTokenizer
+from servicekit.contract.api import ModelInfo, Usage
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
-from servicekit.redis_keys import RedisKeys
+from servicekit.contract.prompt import check_prompt
+from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason
-from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
+from servicekit.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -100,26 +100,17 @@ class GenerationService:
                        "--prompt-bytes-per-token)")
 
     async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
+        field = "prompt"
         if inp.prompt_token_ids is not None:
-            ids = inp.prompt_token_ids
-            if ids and max(ids) >= limits.vocab_size:
-                raise InvalidArgumentError("prompt_token_ids", f"token ids must be < vocab_size ({limits.vocab_size})")
+            ids, field = inp.prompt_token_ids, "prompt_token_ids"
         elif inp.messages is not None:
             ids = await self.tokenize(None, inp.messages, limits)
         else:
             if not inp.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
             ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt")
-        if not ids:
-            raise InvalidArgumentError("prompt", "must contain at least one token")
-        if len(ids) >= limits.max_model_len:
-            raise InvalidArgumentError(
-                "prompt", f"{len(ids)} tokens; the model takes at most {limits.max_model_len - 1} prompt tokens")
-        max_tokens = inp.sampling_params.max_tokens
-        if len(ids) + max_tokens > limits.max_model_len:
-            raise InvalidArgumentError(
-                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                              f"max_model_len ({limits.max_model_len})")
+        check_prompt(ids, inp.sampling_params.max_tokens, max_model_len=limits.max_model_len,
+                     vocab_size=limits.vocab_size, field=field)
         return ids
 
     # -- Generate -------------------------------------------------------------------------------------
@@ -139,8 +130,7 @@ class GenerationService:
         prompt_ids = await self._prompt_token_ids(inp, limits)
         params = inp.sampling_params
         digests = convert.request_digests(prompt_ids, params)  # as given: a resume repeats the unseeded params
-        if params.seed is None:  # decision 6: a seed at admission makes every replay identical
-            params = params.with_seed(self._rng.randrange(SEED_RANGE))
+        params = params.seeded(self._rng)  # decision 6: a seed at admission makes every replay identical
         request_id = inp.request_id or uuid.uuid4().hex
         self._enter()
         sub = self._fanout.subscribe(self._keys.output(request_id))

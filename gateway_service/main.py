@@ -12,9 +12,10 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
+from gateway_service.settings import GatewaySettings
+from servicekit import redis_client
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import service_main
-from gateway_service.settings import GatewaySettings
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -50,16 +51,15 @@ class GatewayApp:
         s = self.settings
         keys = RedisKeys(s.key_prefix)
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+            self._redis = redis_client.connect(s)
         if self._hf_tokenizer is None:
             self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
         self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
         self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,
                                     outage_s=s.redis_outage_s)
-        queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s)
+        queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s,
+                             replica_wait_ms=s.admission_replica_wait_ms)
         registry = CollectorRegistry()
         metrics = GatewayMetrics(registry, s.model)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from servicekit.contract.api import Usage
-from servicekit.contract.step import FinishReason, TokenLogprobs
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import FinishReason, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
 from redis.exceptions import RedisError
 
 from servicekit.contract.api import ModelInfo
+from servicekit.contract.worker import WorkerDescription
 from servicekit.redis_keys import RedisKeys
+from servicekit.registry import list_workers
 from servicekit.serving import cancel_and_wait, cancel_requested
-from servicekit.registry import WorkerRecord, list_workers
 
 log = logging.getLogger(__name__)
 
 
-def limits_from_records(model: str, records: list[WorkerRecord]) -> ModelInfo | None:
+def limits_from_records(model: str, records: list[WorkerDescription]) -> ModelInfo | None:
     mine = [r for r in records if r.model == model]
     if not mine:
         return None

@@ -7,17 +7,32 @@ the admitted prompt tokens and sampling parameters, so they live exactly as long
 resume could read. ``{prefix}readers:{request_id}`` counts the calls reading the request, on any
 gateway: the last one to leave before the request finished aborts it, so a resumer that gives up
 never cuts off the owner (or another resumer) still reading.
+
+Durable admissions (``replica_wait_ms`` > 0): when the primary has replicas, ``admit`` returns
+only once one of them acknowledged the admission (``WAIT 1``, on the connection that wrote it), so
+a failover to that replica cannot lose a request its client was told was admitted. A replica
+that does not answer within ``replica_wait_ms`` does not fail the admission (a lagging replica is
+not worth refusing work over, and a dead one is not promoted): it is counted in
+``num_unreplicated`` and logged.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 from gateway_service.output_fanout import WAKE_MAXLEN, WAKE_TTL_S
 from servicekit.contract.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
 
+log = logging.getLogger(__name__)
+
 ABORTS_MAXLEN = 10_000
+# How often the number of the primary's replicas is read again (INFO replication): WAIT is only
+# worth sending when there is a replica to answer it, else it would hold every admission for its
+# whole timeout.
+REPLICAS_RECHECK_S = 1.0
 
 # KEYS: requests stream, the request's output stream, the gateway's wake stream, readers counter
 # ARGV: group, max queued (0 = no limit), request id, EngineRequest bytes, output TTL seconds,
@@ -88,11 +103,17 @@ class RequestDigests:
 
 
 class RequestQueue:
-    def __init__(self, redis, keys: RedisKeys, *, max_queued: int, output_ttl_s: int) -> None:
+    def __init__(self, redis, keys: RedisKeys, *, max_queued: int, output_ttl_s: int,
+                 replica_wait_ms: int = 0) -> None:
         self._redis = redis
         self._keys = keys
         self._max_queued = max_queued
         self._output_ttl_s = output_ttl_s
+        self._replica_wait_ms = replica_wait_ms  # 0: admissions do not wait for a replica
+        self._num_replicas = 0
+        self._replicas_read_at = float("-inf")
+        self.num_replicated = 0  # admissions a replica acknowledged before admit returned
+        self.num_unreplicated = 0  # admissions acknowledged with replicas present but none answering in time
         self._admit = redis.register_script(_ADMIT_LUA)
         self._join = redis.register_script(_JOIN_LUA)
         self._leave = redis.register_script(_LEAVE_LUA)
@@ -100,16 +121,47 @@ class RequestQueue:
     async def admit(self, request_id: str, record: bytes, digests: RequestDigests, wake_key: str) -> None:
         """Enqueue one EngineRequest, its caller being its first reader. Raises
         ResourceExhaustedError past the queue limit and AlreadyExistsError when the request id has
-        an output stream already (nothing is written then)."""
+        an output stream already (nothing is written then). With replicas present and waiting on,
+        returns once a replica holds the admission (or ``replica_wait_ms`` passed)."""
         keys = self._keys
-        result = await self._admit(
-            keys=[keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
-            args=[SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
-                  digests.prompt, digests.params])
+        admission = {
+            "keys": [keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
+            "args": [SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
+                     digests.prompt, digests.params]}
+        if not await self._replicas_present():
+            result = await self._admit(**admission)
+        else:
+            # WAIT counts the replication offset of its own connection's last write: one connection
+            # for both, or it would wait for some other connection's older write.
+            async with self._redis.client() as conn:
+                result = await self._admit(**admission, client=conn)
+                if result == 0:
+                    self._count_replicas(request_id, await conn.wait(1, self._replica_wait_ms))
         if result == -1:
             raise ResourceExhaustedError(f"the request queue is full ({self._max_queued} waiting); retry later")
         if result == -2:
             raise AlreadyExistsError(f"request_id {request_id!r} is already in use")
+
+    async def _replicas_present(self) -> bool:
+        """Whether admissions should wait for a replica: waiting is on and the primary had a
+        replica at the last look (at most ``REPLICAS_RECHECK_S`` ago)."""
+        if not self._replica_wait_ms:
+            return False
+        now = time.monotonic()
+        if now - self._replicas_read_at >= REPLICAS_RECHECK_S:
+            info = await self._redis.info("replication")
+            self._num_replicas = int(info.get("connected_slaves", 0))
+            self._replicas_read_at = now
+        return self._num_replicas > 0
+
+    def _count_replicas(self, request_id: str, acknowledged: int) -> None:
+        if acknowledged >= 1:
+            self.num_replicated += 1
+            return
+        self.num_unreplicated += 1
+        self._replicas_read_at = float("-inf")  # the replica may be gone: look again next time
+        log.warning("request %s admitted, but no replica acknowledged it within %d ms: a failover now could lose "
+                    "it", request_id, self._replica_wait_ms)
 
     async def join(self, request_id: str, digests: RequestDigests, wake_key: str) -> None:
         """Become one more reader of an admitted request (a resume). Raises NotFoundError when its

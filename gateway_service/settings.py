@@ -6,10 +6,13 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from servicekit import redis_client
 from servicekit.flags import check_port, drain_grace_setting, key_prefix_setting, redis_url_setting, setting
+from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT
 from servicekit.redis_keys import RedisKeys
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = GATEWAY_PORT
+REPLICA_WAIT_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +24,12 @@ class GatewaySettings:
     host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
     port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
     http_host: str = setting("", help="interface of the OpenAI-compatible HTTP API and /metrics (empty: --host)")
-    http_port: int = setting(8000, help="port of the OpenAI-compatible HTTP API and /metrics (0 = any free port, "
+    http_port: int = setting(GATEWAY_HTTP_PORT, help="port of the OpenAI-compatible HTTP API and /metrics (0 = any free port, "
                                         "-1 = no HTTP)")
     redis_url: str = redis_url_setting()
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     max_queued_requests: int = setting(
         1024, help="requests waiting in Redis beyond which Generate answers RESOURCE_EXHAUSTED (0: no limit)")
@@ -33,6 +39,12 @@ class GatewaySettings:
     read_block_ms: int = setting(1000, help="longest blocking XREAD of the output fan-out loop")
     redis_outage_s: float = setting(10.0, help="live streams fail with UNAVAILABLE (the SDK resumes them) after "
                                                "this long without Redis")
+    wait_for_replica: str = setting(
+        "auto", choices=REPLICA_WAIT_MODES,
+        help="before a stream starts, wait until a replica holds its admission (WAIT 1), whenever the primary has "
+             "replicas, so a failover loses no admitted request: on, off, or auto (on with --redis-sentinels)")
+    replica_wait_ms: int = setting(1000, help="longest wait for a replica's acknowledgement; past it the request "
+                                              "is admitted anyway and a warning logged")
     gateway_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="names this gateway's wake stream")
     drain_grace_s: float = drain_grace_setting()
     # The most UTF-8 bytes one token covers, as far as sizing goes: 16 leaves room for long tokens
@@ -41,7 +53,14 @@ class GatewaySettings:
         16, help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it is "
                  "tokenized")
 
+    @property
+    def admission_replica_wait_ms(self) -> int:
+        """How long an admission waits for a replica's acknowledgement (0: it does not wait)."""
+        on = self.wait_for_replica == "on" or (self.wait_for_replica == "auto" and redis_client.uses_sentinel(self))
+        return self.replica_wait_ms if on else 0
+
     def __post_init__(self) -> None:
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)
         if not self.model:
             raise ValueError("model: must be non-empty")
@@ -51,6 +70,10 @@ class GatewaySettings:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.redis_outage_s <= 0:
             raise ValueError(f"redis_outage_s: must be positive, got {self.redis_outage_s}")
+        if self.wait_for_replica not in REPLICA_WAIT_MODES:
+            raise ValueError(f"wait_for_replica: must be one of {REPLICA_WAIT_MODES}, got {self.wait_for_replica!r}")
+        if self.replica_wait_ms < 1:
+            raise ValueError(f"replica_wait_ms: must be >= 1, got {self.replica_wait_ms}")
         if self.prompt_bytes_per_token < 1:
             raise ValueError(f"prompt_bytes_per_token: must be >= 1, got {self.prompt_bytes_per_token}")
         if self.output_ttl_s < 1 or self.registry_refresh_s <= 0 or self.read_block_ms < 1:

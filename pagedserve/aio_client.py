@@ -29,10 +29,11 @@ from pagedserve import wire
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient, parse_addresses
-from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
+from servicekit.ports import GATEWAY_PORT
 from servicekit.proto.channel import CHANNEL_OPTIONS
+from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_ADDRESS = f"127.0.0.1:{GATEWAY_PORT}"
 # Reconnect quickly after a failed connect, so a retry can reach a gateway that just came up.
 CLIENT_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.initial_reconnect_backoff_ms", 100),

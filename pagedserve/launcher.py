@@ -22,6 +22,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servicekit.flags import LOG_LEVELS, key_prefix_setting, setting
+from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT, SCHEDULER_PORT, WORKER_PORT
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,18 +72,21 @@ class Child:
 
 @dataclass
 class StackOptions:
-    model: str = "smollm2-135m"
-    host: str = "127.0.0.1"
-    port: int = 50051  # gateway
-    http_port: int = 8000  # gateway's OpenAI-compatible HTTP API (-1: none)
-    scheduler_port: int = 50052
-    worker_port: int = 50061
-    redis_port: int = 0  # 0 = a free port
-    redis_url: str = ""  # use this Redis instead of starting one
-    key_prefix: str = "ps:"
-    log_level: str = "INFO"
-    drain_grace_s: float = 5.0
-    startup_timeout_s: float = 600.0  # model download / load included
+    """What ``pagedserve serve`` starts; each field declared with ``setting`` is a flag of it."""
+
+    model: str = setting("smollm2-135m", help="short name, Hugging Face folder or .gguf file")
+    host: str = setting("127.0.0.1", help="gateway interface")
+    port: int = setting(GATEWAY_PORT, help="gateway port")
+    http_port: int = setting(GATEWAY_HTTP_PORT, help="gateway's OpenAI-compatible HTTP port (0: a free one, -1: none)")
+    scheduler_port: int = setting(SCHEDULER_PORT, help="scheduler stats/health port")
+    worker_port: int = setting(WORKER_PORT, help="worker port")
+    redis_port: int = setting(0, help="port of the Redis started here (0: a free one)")
+    redis_url: str = setting("", help="use this Redis instead of starting one")
+    key_prefix: str = key_prefix_setting()
+    log_level: str = setting("INFO", choices=LOG_LEVELS, help="log level of the services")
+    drain_grace_s: float = setting(5.0, help="per service, on stop")
+    startup_timeout_s: float = setting(600.0, help="seconds each service may take to report SERVING (model "
+                                                   "download and load included)")
     worker_args: list[str] = field(default_factory=list)  # passed through to `pagedserve worker`
 
 

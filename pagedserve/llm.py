@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
-from scheduler_service.core.config import SchedulerConfig
-from servicekit.contract.step import TokenLogprobs
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from scheduler_service.core.request import Request
-from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.prompt import check_prompt
+from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -87,7 +88,8 @@ class LLM:
     Engine options (all keywords): ``dtype`` (auto | float32 | bfloat16 | float16), ``device``,
     ``seed`` (draws the seeds of requests that come without one), ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
-    ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``policy``, ``kv_cache_memory``
+    ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``shared_prefill_token_threshold`` (a
+    prefill chunk's cap while other requests wait or run), ``policy``, ``kv_cache_memory``
     ("2GiB"), ``gpu_memory_fraction``, ``num_blocks`` (overrides the memory budget),
     ``attention_backend`` (auto | torch | cpu | triton), ``tokenizer`` (another name to load the tokenizer
     from), ``skip_tokenizer_init`` (token-id prompts only; ``text`` stays empty), ``hf_model`` (an
@@ -109,6 +111,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
         policy: str = "fcfs",
         kv_cache_memory: str | int | None = None,
         gpu_memory_fraction: float = 0.9,
@@ -124,6 +127,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            shared_prefill_token_threshold=shared_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             policy=policy,
@@ -142,7 +146,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def info(self):  # WorkerInfo of the model runner
+    def info(self):  # WorkerDescription of the model runner
         return self.runner.info
 
     def generate(
@@ -213,6 +217,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(token_lists):
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(token_lists)} prompts")
+        info = self.runner.info
+        for ids, params in zip(token_lists, params_list):  # every prompt is checked before any runs
+            check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
         pending: dict[str, _Pending] = {}
         order: list[str] = []
         try:

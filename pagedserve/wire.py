@@ -17,6 +17,7 @@ from servicekit.proto.convert import (
 )
 from servicekit.proto.pb import generation_pb2, sampling_pb2
 
+
 def _add_chat(chat, messages) -> None:
     """Append SDK ``messages`` (mappings with "role" and "content") to a Chat message."""
     chat.SetInParent()  # an empty list is an empty chat (refused by the gateway), not no input

@@ -8,6 +8,14 @@ from dataclasses import dataclass
 
 import grpc
 
+from scheduler_service.core.request import Request
+from servicekit.contract.step import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from servicekit.contract.worker import WorkerDescription
 from servicekit.proto.convert import (
     FINISH_REASON_TO_PB,
     logprobs_from_pb,
@@ -16,31 +24,13 @@ from servicekit.proto.convert import (
     sampling_params_to_pb,
 )
 from servicekit.proto.pb import queue_pb2, scheduler_pb2, worker_pb2
-from servicekit.contract.step import (
-    EngineCoreOutput,
-    FinishReason,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    WorkerInfo,
-)
-from scheduler_service.core.request import Request
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerDescription:
-    """A worker's answer to Describe: its WorkerInfo plus the batch limits of its runner."""
-
-    info: WorkerInfo
-    worker_id: str
-    max_num_seqs: int  # rows of its persistent batch
-    max_num_batched_tokens: int  # tokens per step at most
 
 
 def worker_description_from_pb(msg: worker_pb2.DescribeResponse) -> WorkerDescription:
-    info = WorkerInfo(model=msg.model, num_blocks=msg.num_blocks, block_size=msg.block_size,
-                      max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
-                      eos_token_ids=tuple(msg.eos_token_ids))
-    return WorkerDescription(info, msg.worker_id, msg.max_num_seqs, msg.max_num_batched_tokens)
+    return WorkerDescription(
+        model=msg.model, num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids), max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens, worker_id=msg.worker_id)
 
 
 def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.StepRequest:
@@ -88,7 +78,7 @@ def queued_request_from_record(data: bytes, output_token_ids=()) -> QueuedReques
     (bad sampling params) or google.protobuf DecodeError."""
     msg = queue_pb2.EngineRequest.FromString(data)
     request = Request(
-        msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params),
+        msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params, trusted=True),
         arrival_time=msg.arrival_time, priority=msg.priority, cache_salt=msg.cache_salt or None,
         output_token_ids=output_token_ids)
     return QueuedRequest(request, msg.deadline)

@@ -20,15 +20,16 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from servicekit.serving import cancel_requested
 from scheduler_service import convert
-from scheduler_service.convert import WorkerDescription
-from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.step import EngineCoreOutput, FinishReason
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.redis_queue import RedisQueue
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.prompt import length_error
+from servicekit.contract.step import EngineCoreOutput, FinishReason
+from servicekit.contract.worker import WorkerDescription
+from servicekit.serving import cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class WorkerEngine:
         return max(0, self._capacity - len(self._entry_ids))
 
     def fits(self, request: Request) -> bool:
-        return request.num_prompt_tokens + request.max_tokens <= self.description.info.max_model_len
+        return length_error(request.num_prompt_tokens, request.max_tokens, self.description.max_model_len) is None
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._entry_ids

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from scheduler_service import convert
 from servicekit.proto.pb import SCHEDULER_ADMIN_SERVICE, scheduler_pb2_grpc
 from servicekit.serving import ServerLifecycle
-from scheduler_service import convert
 
 
 class SchedulerAdminServicer(scheduler_pb2_grpc.SchedulerAdminServicer):

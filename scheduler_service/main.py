@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
+from scheduler_service.settings import SchedulerSettings
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import service_main
-from scheduler_service.settings import SchedulerSettings
 
 log = logging.getLogger("pagedserve.scheduler")
 

@@ -30,11 +30,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
-from servicekit.redis_keys import RedisKeys, ensure_request_group
-from servicekit.metrics import MetricsPort
-from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service import convert
-from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
@@ -43,6 +39,11 @@ from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.workers import WorkerPool
+from servicekit import redis_client
+from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
+from servicekit.metrics import MetricsPort
+from servicekit.redis_keys import RedisKeys, ensure_request_group
+from servicekit.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class SchedulerApp:
 
         s = self.settings
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
+            self._redis = redis_client.connect(s)
         await ensure_request_group(self._redis, self.keys)
         self.queue = RedisQueue(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
         self.lifecycle = build_server(self)
@@ -184,7 +183,7 @@ class SchedulerApp:
 
     def stats(self) -> ServiceStats:
         return ServiceStats(self.num_finished, self.num_aborted, [
-            WorkerStatsView(e.address, e.description.info.model, e.connected, e.num_steps, e.core.stats(),
+            WorkerStatsView(e.address, e.description.model, e.connected, e.num_steps, e.core.stats(),
                             e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing)
             for e in self.engines.values()],
             self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over,
@@ -233,6 +232,11 @@ class SchedulerApp:
             await self._finish_unstarted(entry.entry_id, entry.request_id, field, str(exc))
             return
         rid = queued.request.request_id
+        if self._holds(rid):
+            # Delivered to us again: after a Redis failover the group's delivery cursor can be older
+            # than what we pulled (the promoted replica lacked the last deliveries). Ours already.
+            log.info("request %s delivered again (a Redis failover?): already held here", rid)
+            return
         if self._recent_aborts.pop(rid, None) is not None:
             await self._finish_unstarted(entry.entry_id, rid, "", "aborted before it was scheduled")
             return
@@ -245,6 +249,10 @@ class SchedulerApp:
         else:
             self._backlog.append((queued.request, entry.entry_id))
         self._route_backlog()
+
+    def _holds(self, request_id: str) -> bool:
+        return (any(engine.owns(request_id) for engine in self.engines.values())
+                or any(request.request_id == request_id for request, _ in self._backlog))
 
     def _route_backlog(self) -> None:
         """Hand waiting requests to engines (``scheduler_service.routing``); with no engine taking

@@ -8,12 +8,14 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
+from servicekit import redis_client
 from servicekit.flags import (check_port, drain_grace_setting, key_prefix_setting, metrics_port_setting,
                               redis_url_setting, setting)
+from servicekit.ports import SCHEDULER_PORT
 from servicekit.redis_keys import RedisKeys
-from scheduler_service.core.config import POLICIES
 
-DEFAULT_PORT = 50052
+DEFAULT_PORT = SCHEDULER_PORT
 
 
 def default_consumer() -> str:
@@ -31,12 +33,19 @@ class SchedulerSettings:
     metrics_port: int = metrics_port_setting()
     consumer: str = setting(default_factory=default_consumer, help="consumer name in the Redis group")
     redis_url: str = redis_url_setting()
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     drain_grace_s: float = drain_grace_setting()
     # Batching, per worker (0 = the worker's own limit; never more than it).
     max_num_seqs: int = setting(0, help="running requests per worker (0: the worker's batch size; never more)")
     max_num_batched_tokens: int = setting(0, help="token budget of one step (0: the worker's limit; never more)")
     long_prefill_token_threshold: int = setting(0, help="cap of one prefill chunk (0: off)")
+    shared_prefill_token_threshold: int = setting(
+        DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+        help="cap of one prefill chunk while other requests wait for their first token, for fair time to first "
+             "token (0: off)")
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
@@ -63,9 +72,10 @@ class SchedulerSettings:
         return self.reclaim_idle_s / 5
 
     def __post_init__(self) -> None:
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                     "max_queued_per_worker"):
+                     "shared_prefill_token_threshold", "max_queued_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:

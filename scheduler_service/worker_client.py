@@ -10,11 +10,11 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
-from servicekit.proto.channel import CHANNEL_OPTIONS
 from scheduler_service import convert
-from scheduler_service.convert import WorkerDescription
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
+from servicekit.contract.worker import WorkerDescription
+from servicekit.proto.channel import CHANNEL_OPTIONS
+from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

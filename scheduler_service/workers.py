@@ -35,9 +35,6 @@ from collections.abc import Awaitable, Callable
 import grpc
 from redis.exceptions import RedisError
 
-from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat, SchedulerRecord, WorkerRecord, list_schedulers, list_workers
-from servicekit.serving import cancel_and_wait, cancel_requested
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
@@ -46,6 +43,10 @@ from scheduler_service.leases import WorkerLeases
 from scheduler_service.redis_queue import RedisQueue
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.worker_client import LeaseRefusedError, WorkerLostError, connect
+from servicekit.contract.worker import WorkerDescription
+from servicekit.redis_keys import RedisKeys
+from servicekit.registry import Heartbeat, SchedulerRecord, list_schedulers, list_workers
+from servicekit.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class WorkerPool:
         others_serve = self._any_other_serves(schedulers)
         share = math.ceil(len(records) / num_schedulers)
         me = self.settings.consumer.encode()
-        free: list[WorkerRecord] = [r for r, h in zip(records, holders) if h is None or h == me]
+        free: list[WorkerDescription] = [r for r, h in zip(records, holders) if h is None or h == me]
         self._rng.shuffle(free)  # two schedulers starting together do not race for the same worker
         return [(r.address, r.worker_id) for r in free], share, others_serve, live
 
@@ -332,12 +333,13 @@ class WorkerPool:
             await client.close()
             await self._release(description.worker_id)
             return
-        info = description.info
+        info = description
         config = SchedulerConfig(
             max_num_batched_tokens=min(s.max_num_batched_tokens or description.max_num_batched_tokens,
                                        description.max_num_batched_tokens),
             max_num_seqs=min(s.max_num_seqs or description.max_num_seqs, description.max_num_seqs),
             long_prefill_token_threshold=s.long_prefill_token_threshold,
+            shared_prefill_token_threshold=s.shared_prefill_token_threshold,
             enable_chunked_prefill=s.enable_chunked_prefill,
             enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
         try:

@@ -117,7 +117,8 @@ def settings_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def redis_url_setting(default: str = "redis://127.0.0.1:6379/0") -> Any:
-    return setting(default, help="Redis URL" + ("" if default else " (empty: do not register in Redis)"))
+    return setting(default, help="Redis URL (user, password, database and rediss:// TLS apply with --redis-sentinels "
+                                 "too)" + ("" if default else "; empty and no --redis-sentinels: do not register in Redis"))
 
 
 def key_prefix_setting() -> Any:

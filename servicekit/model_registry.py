@@ -24,7 +24,7 @@ class ModelNotFoundError(InvalidArgumentError):
 class ModelSource:
     """Arguments for transformers' ``from_pretrained``: ``from_pretrained(path, gguf_file=gguf_file)``."""
 
-    name: str  # what the user asked for (reported back as WorkerInfo.model)
+    name: str  # what the user asked for (reported back as WorkerDescription.model)
     path: str  # a local folder (or a Hub id, which transformers resolves)
     gguf_file: str | None = None  # file name inside ``path`` for GGUF checkpoints
 

@@ -16,41 +16,29 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from servicekit.contract.worker import WorkerDescription
 from servicekit.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerRecord:
-    """What a worker publishes about itself (the fields of WorkerInfo plus where to reach it)."""
+_WORKER_INTS = ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs", "max_num_batched_tokens")
 
-    worker_id: str
-    address: str  # host:port a scheduler can dial
-    model: str
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
-    def to_hash(self) -> dict[str, str]:
-        return {
-            "worker_id": self.worker_id, "address": self.address, "model": self.model,
-            "num_blocks": str(self.num_blocks), "block_size": str(self.block_size),
-            "max_model_len": str(self.max_model_len), "vocab_size": str(self.vocab_size),
-            "eos_token_ids": ",".join(map(str, self.eos_token_ids)),
-        }
+def worker_to_hash(worker: WorkerDescription) -> dict[str, str]:
+    """A worker's registry entry (``{prefix}workers:{worker_id}``), as a Redis hash."""
+    h = {name: str(getattr(worker, name)) for name in _WORKER_INTS}
+    h.update(worker_id=worker.worker_id, address=worker.address, model=worker.model,
+             eos_token_ids=",".join(map(str, worker.eos_token_ids)))
+    return h
 
-    @classmethod
-    def from_hash(cls, h: dict) -> WorkerRecord:
-        h = {_s(k): _s(v) for k, v in h.items()}
-        return cls(
-            worker_id=h["worker_id"], address=h["address"], model=h["model"],
-            num_blocks=int(h["num_blocks"]), block_size=int(h["block_size"]),
-            max_model_len=int(h["max_model_len"]), vocab_size=int(h["vocab_size"]),
-            eos_token_ids=tuple(int(t) for t in h["eos_token_ids"].split(",") if t),
-        )
+
+def worker_from_hash(h: dict) -> WorkerDescription:
+    h = {_s(k): _s(v) for k, v in h.items()}
+    return WorkerDescription(
+        model=h["model"], eos_token_ids=tuple(int(t) for t in h["eos_token_ids"].split(",") if t),
+        worker_id=h["worker_id"], address=h["address"],
+        **{name: int(h.get(name, "0")) for name in _WORKER_INTS})
 
 
 def _s(v: object) -> str:
@@ -95,9 +83,9 @@ async def _list_hashes(redis, pattern: str, parse) -> list:
     return records
 
 
-async def list_workers(redis, keys: RedisKeys) -> list[WorkerRecord]:
+async def list_workers(redis, keys: RedisKeys) -> list[WorkerDescription]:
     """Every live worker's record, in key order (records that fail to parse are skipped)."""
-    return await _list_hashes(redis, keys.worker_pattern, WorkerRecord.from_hash)
+    return await _list_hashes(redis, keys.worker_pattern, worker_from_hash)
 
 
 async def list_schedulers(redis, keys: RedisKeys) -> list[SchedulerRecord]:
@@ -105,10 +93,14 @@ async def list_schedulers(redis, keys: RedisKeys) -> list[SchedulerRecord]:
     return await _list_hashes(redis, keys.scheduler_pattern, SchedulerRecord.from_hash)
 
 
+def _to_hash(record: WorkerDescription | SchedulerRecord) -> dict[str, str]:
+    return worker_to_hash(record) if isinstance(record, WorkerDescription) else record.to_hash()
+
+
 class Heartbeat:
     """Keeps one registry record alive in Redis until stopped (then deletes it). ``record`` is a
-    WorkerRecord (the default key) or anything with ``to_hash()`` when ``key`` is given; the
-    record may be replaced with :meth:`update`."""
+    WorkerDescription (under its worker key) or a SchedulerRecord (``key`` given); the record may
+    be replaced with :meth:`update`."""
 
     def __init__(self, redis, keys: RedisKeys, record, ttl_s: float, *, key: str | None = None) -> None:
         self._redis = redis
@@ -134,7 +126,7 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(self._key, mapping=self._record.to_hash())
+        pipe.hset(self._key, mapping=_to_hash(self._record))
         pipe.pexpire(self._key, self._ttl_ms)
         await pipe.execute()
 

@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 
 from kernels import BACKENDS as ATTENTION_BACKENDS
-from servicekit.flags import setting
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.flags import setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -3,24 +3,23 @@
 
 from __future__ import annotations
 
-from servicekit.proto.convert import logprobs_to_pb, sampling_params_from_pb
-from servicekit.proto.pb import worker_pb2
 from servicekit.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    WorkerInfo,
 )
+from servicekit.contract.worker import WorkerDescription
+from servicekit.proto.convert import logprobs_to_pb, sampling_params_from_pb
+from servicekit.proto.pb import worker_pb2
 
 
-def describe_to_pb(info: WorkerInfo, *, worker_id: str, max_num_seqs: int,
-                   max_num_batched_tokens: int) -> worker_pb2.DescribeResponse:
+def describe_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
     return worker_pb2.DescribeResponse(
-        model=info.model, num_blocks=info.num_blocks, block_size=info.block_size,
-        max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids), worker_id=worker_id,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        model=worker.model, num_blocks=worker.num_blocks, block_size=worker.block_size,
+        max_model_len=worker.max_model_len, vocab_size=worker.vocab_size,
+        eos_token_ids=list(worker.eos_token_ids), worker_id=worker.worker_id,
+        max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens)
 
 
 def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
@@ -31,7 +30,7 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         new_reqs.append(NewRequestData(
             request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
             output_token_ids=list(r.output_token_ids),
-            sampling_params=sampling_params_from_pb(r.sampling_params),
+            sampling_params=sampling_params_from_pb(r.sampling_params, trusted=True),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens))
         num_scheduled[r.request_id] = r.num_scheduled_tokens
     cached_reqs = []

@@ -12,12 +12,14 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Protocol
 
 from servicekit.contract.errors import FailedPreconditionError
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
+from servicekit.contract.worker import WorkerDescription
 from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.serving import ServerLifecycle
-from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from worker_service import convert
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ class StepRunner(Protocol):
     """What the service needs of a model runner (worker_service.model_runner.ModelRunner)."""
 
     @property
-    def info(self) -> WorkerInfo: ...
+    def info(self) -> WorkerDescription: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -61,9 +63,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- rpcs -----------------------------------------------------------------------------------------
 
     async def Describe(self, request, context):
-        return convert.describe_to_pb(
+        return convert.describe_to_pb(replace(
             self._info, worker_id=self._worker_id, max_num_seqs=self._max_num_seqs,
-            max_num_batched_tokens=self._max_num_batched_tokens)
+            max_num_batched_tokens=self._max_num_batched_tokens))
 
     async def Step(self, request_iterator, context):
         if self._stream_open:
@@ -93,6 +95,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             asyncio.get_running_loop().create_task(drop)
 
     async def Reset(self, request, context):
+        # While a scheduler drives this worker its plan mirrors the runner's requests: dropping them
+        # under it would fail its next step. Closing the Step stream drops them already.
+        if self._stream_open:
+            raise FailedPreconditionError("a scheduler drives this worker (a Step stream is open); "
+                                          "Reset is only allowed when no Step stream is open")
         return worker_pb2.ResetResponse(num_dropped=await self._drop_all())
 
     # -- runner calls ---------------------------------------------------------------------------------

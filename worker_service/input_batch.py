@@ -10,20 +10,37 @@ Invariants:
   are appended by the runner; the scheduler may still drop them by finishing the request).
 - ``block_table[row, :num_blocks[row]]`` is the request's block table; it only grows while the
   request runs (the scheduler's tables are append-only).
+- Per-request sampling state that is not one number (the ids banned before ``min_tokens``) is built
+  once, when the row is given, and only read by later steps.
 """
 
 from __future__ import annotations
 
 import heapq
+
 import numpy as np
 
-from servicekit.contract.step import CachedRequestData, NewRequestData
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import CachedRequestData, NewRequestData
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+def min_tokens_banned_ids(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """The ids a request may not sample before ``min_tokens`` outputs: its stop token ids and, unless
+    ``ignore_eos``, the model's EOS ids; those inside the vocabulary, unique, ascending (int64)."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return np.array(sorted(t for t in ids if t < vocab_size), dtype=np.int64)
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, *,
+                 vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_blocks_per_req = max_blocks_per_req
         # one spare column: the token sampled at max_model_len is stored before the scheduler stops it
@@ -46,6 +63,8 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1 = none
         self.rows: dict[str, int] = {}  # request id -> row
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs  # by row
+        # by row: ids banned while outputs < min_tokens (empty when min_tokens is 0), built in add()
+        self.min_tokens_banned: list[np.ndarray] = [_NO_IDS] * max_num_reqs
         self._free_rows = list(range(max_num_reqs))  # a heap: lowest free row first
 
     def __len__(self) -> int:
@@ -62,8 +81,8 @@ class InputBatch:
         num_tokens = num_prompt + len(new.output_token_ids)
         if not self._free_rows:
             raise ValueError(f"persistent batch is full ({self.max_num_reqs} requests); raise max_num_seqs")
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"request {new.request_id}: {num_tokens} tokens exceed max_model_len {self.max_model_len}")
+        # prompt + outputs within max_model_len was checked where the request entered (servicekit.contract.prompt)
+        assert num_tokens <= self.max_model_len, (new.request_id, num_tokens, self.max_model_len)
         if len(new.block_ids) > self.max_blocks_per_req:
             raise ValueError(f"request {new.request_id}: {len(new.block_ids)} blocks exceed {self.max_blocks_per_req}")
         if new.sampling_params.seed is None:
@@ -89,6 +108,8 @@ class InputBatch:
         self.seed[row] = p.seed
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens_banned[row] = (min_tokens_banned_ids(p, self.eos_token_ids, self.vocab_size)
+                                       if p.min_tokens else _NO_IDS)
         return row
 
     def update(self, cached: CachedRequestData) -> None:
@@ -106,6 +127,7 @@ class InputBatch:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.sampling_params[row] = None
+            self.min_tokens_banned[row] = _NO_IDS
             heapq.heappush(self._free_rows, row)
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

@@ -17,19 +17,21 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from servicekit import redis_client
 from servicekit.flags import (
     check_port,
     drain_grace_setting,
     key_prefix_setting,
     metrics_port_setting,
     redis_url_setting,
-    setting,
     service_parser,
+    setting,
     settings_kwargs,
 )
 from servicekit.metrics import MetricsPort
+from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat, WorkerRecord
+from servicekit.registry import Heartbeat
 from servicekit.serving import service_main
 from worker_service.config import ModelRunnerConfig
 from worker_service.metrics import WorkerCollector
@@ -37,7 +39,7 @@ from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
 
-DEFAULT_PORT = 50061
+DEFAULT_PORT = WORKER_PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,9 @@ class WorkerSettings:
                                               "--host/--port)")
     worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
     redis_url: str = redis_url_setting("")
+    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
+    redis_master_name: str = redis_client.redis_master_name_setting()
+    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
     key_prefix: str = key_prefix_setting()
     heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
     drain_grace_s: float = drain_grace_setting()
@@ -73,6 +78,7 @@ class WorkerSettings:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
         if self.step_delay_s < 0:
             raise ValueError(f"step_delay_s: must be >= 0, got {self.step_delay_s}")
+        redis_client.validate(self)
         RedisKeys(self.key_prefix)  # validates the prefix
 
     def address_for(self, port: int) -> str:
@@ -128,14 +134,9 @@ class WorkerApp:
         self.lifecycle.registry.register(WorkerCollector(self.servicer, info, self.address))
         self.metrics = MetricsPort(self.lifecycle.registry, name="worker")
         self.metrics_port = await self.metrics.start(s.host, s.metrics_port)
-        if s.redis_url:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.from_url(s.redis_url)
-            record = WorkerRecord(
-                worker_id=s.worker_id, address=self.address, model=info.model, num_blocks=info.num_blocks,
-                block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                eos_token_ids=tuple(info.eos_token_ids))
+        if redis_client.uses_redis(s):
+            self._redis = redis_client.connect(s)
+            record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()
         log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d, attention %s)",
@@ -150,7 +151,7 @@ class WorkerApp:
 
     @property
     def info(self):
-        """The runner's WorkerInfo (model, KV blocks, limits)."""
+        """The runner's WorkerDescription (model, KV blocks, limits)."""
         return self._runner.info
 
     async def drain(self, grace_s: float | None = None) -> None:

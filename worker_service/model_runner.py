@@ -2,7 +2,7 @@
 the scheduled tokens with paged attention, and samples.
 
 This is the seam shared by the in-process engine (``pagedserve.LLM``) and the worker's gRPC
-service: ``execute_model(SchedulerOutput) -> ModelRunnerOutput`` and ``info -> WorkerInfo``. It
+service: ``execute_model(SchedulerOutput) -> ModelRunnerOutput`` and ``info -> WorkerDescription``. It
 knows nothing of gRPC, Redis or tokenizers.
 
 Per step the CPU work is a handful of vectorised numpy operations over the scheduled requests
@@ -20,7 +20,8 @@ import torch
 
 from kernels import get_attention_ops, native
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs, WorkerInfo
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from servicekit.contract.worker import WorkerDescription
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
@@ -76,23 +77,26 @@ class ModelRunner:
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
-        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
-        self.sampler = Sampler()
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req,
+                                vocab_size=self.vocab_size, eos_token_ids=tuple(self.eos_token_ids))
+        self.sampler = Sampler()
         ops = get_attention_ops(config.attention_backend, self.device.type)
         self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
         self.attention_backend = ops.backend
 
     @property
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
+    def info(self) -> WorkerDescription:
+        return WorkerDescription(
             model=self.loaded.source.name,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             eos_token_ids=tuple(self.eos_token_ids),
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
         )
 
     # -- one step -------------------------------------------------------------------------------------
@@ -200,16 +204,12 @@ class ModelRunner:
             meta.output_token_ids = _to(np.where(in_output, tokens, vocab), dev)
         short = np.nonzero(num_tokens - num_prompt < b.min_tokens[rows])[0]
         if len(short):  # before min_tokens, stop tokens (and EOS unless ignored) cannot be sampled
-            ban_rows: list[int] = []
-            ban_tokens: list[int] = []
-            for i in short.tolist():
-                params = b.sampling_params[int(rows[i])]
-                stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-                stop = {t for t in stop if t < vocab}
-                ban_rows += [i] * len(stop)
-                ban_tokens += sorted(stop)
-            if ban_rows:
-                meta.banned_tokens = (_to(np.array(ban_rows), dev), _to(np.array(ban_tokens), dev))
+            # Gathered from the ids each row built once at admission: a step never rebuilds them.
+            banned = [b.min_tokens_banned[int(rows[i])] for i in short.tolist()]
+            counts = [len(ids) for ids in banned]
+            if any(counts):
+                meta.banned_tokens = (_to(np.repeat(short.astype(np.int64), counts), dev),
+                                      _to(np.concatenate(banned), dev))
         num_logprobs = b.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             meta.max_num_logprobs = int(num_logprobs.max())

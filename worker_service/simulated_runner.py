@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
+from servicekit.contract.worker import WorkerDescription
 
 _MASK = (1 << 64) - 1
 
@@ -52,7 +53,7 @@ class SimulatedRunner:
     """SIMULATION: sleeps ``a + b × total scheduled tokens`` per step and returns deterministic
     tokens; tracks only each live request's token count (to know when it samples)."""
 
-    def __init__(self, info: WorkerInfo, *, step_latency: tuple[float, float],
+    def __init__(self, info: WorkerDescription, *, step_latency: tuple[float, float],
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.info = info
         self.step_latency = step_latency
@@ -99,7 +100,7 @@ def build_simulated_runner(model: str, *, step_latency: tuple[float, float], num
     config = load_hf_config(resolve_model(model))
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    info = WorkerInfo(model=model, num_blocks=num_blocks, block_size=block_size,
+    info = WorkerDescription(model=model, num_blocks=num_blocks, block_size=block_size,
                       max_model_len=max_model_len or config.max_position_embeddings,
                       vocab_size=config.vocab_size, eos_token_ids=eos_ids)
     return SimulatedRunner(info, step_latency=step_latency)

@@ -35,8 +35,9 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
 
 
 def run(ctx: Context) -> dict:
-    from pagedserve import LLM, SamplingParams
     from worker.factories import hf_greedy, make_hf_model, random_prompts
+
+    from pagedserve import LLM, SamplingParams
 
     lengths, num_tokens = (DRY_LENGTHS, DRY_TOKENS) if ctx.dry else (REAL_LENGTHS, REAL_TOKENS)
     greedy = SamplingParams(max_tokens=num_tokens, min_tokens=num_tokens, temperature=0.0)

@@ -69,8 +69,8 @@ def ceiling(steps: StepLog, weight_bytes: int, kv_per_token: int, copy_gbps: flo
 
 def run_model(name: str, ctx: Context, sizes: dict, copy_gbps: float, hf_seconds: float) -> dict:
     import torch
-
     from offline_throughput import make_requests, run_hf_static
+
     from pagedserve import LLM, SamplingParams
 
     hf = build_model(name, ctx.dry, ctx.device, torch.bfloat16)

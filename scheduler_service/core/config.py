@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from servicekit.contract.errors import InvalidArgumentError
 
 POLICIES = ("fcfs", "priority")
+# A step's duration is what a newcomer waits before its first token, and a long prompt's chunk sets it.
+# While other requests wait for their first token, a chunk of 512 tokens keeps the step short on a CPU
+# worker and leaves the rest of the budget to their prompts; a prompt alone, or beside requests that
+# only decode, still takes the whole budget (benchmarks/ttft_fairness.py measures both).
+DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +25,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     max_num_seqs: int = 128  # running requests at most
     long_prefill_token_threshold: int = 0  # a prefill chunk has at most this many tokens; 0 = off
+    # While other requests wait for their first token, a prefill chunk has at most this many tokens
+    # (0 = off): one long prompt cannot hold every newcomer's first token (time to first token stays fair).
+    shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD
     enable_chunked_prefill: bool = True  # False: a prompt is scheduled whole or waits
     enable_prefix_caching: bool = True  # reuse KV blocks of identical prefixes
     policy: str = "fcfs"  # "fcfs" (arrival order) or "priority" (lower value first, then arrival)
@@ -28,6 +36,7 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        _check_int("shared_prefill_token_threshold", self.shared_prefill_token_threshold, minimum=0)
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(name, f"must be a bool, got {getattr(self, name)!r}")

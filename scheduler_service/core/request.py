@@ -6,8 +6,8 @@ import enum
 from collections.abc import Sequence
 
 from scheduler_service.core.kv_cache_utils import ROOT_BLOCK_HASH, BlockHash, cache_salt_extra_keys, hash_block_tokens
-from servicekit.contract.step import FinishReason
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import FinishReason
 
 
 class RequestStatus(enum.IntEnum):

@@ -12,8 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from scheduler_service.core.config import SchedulerConfig
-from servicekit.contract.errors import InvalidArgumentError
 from scheduler_service.core.kv_cache_manager import KVCacheManager
+from scheduler_service.core.request import Request, RequestStatus
+from scheduler_service.core.request_queue import create_request_queue
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -21,11 +23,8 @@ from servicekit.contract.step import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    WorkerInfo,
 )
-from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.request_queue import create_request_queue
-from servicekit.contract.sampling_params import SEED_RANGE
+from servicekit.contract.worker import WorkerDescription
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -57,7 +56,7 @@ class Scheduler:
       as a new token (a preempted request resumes from prompt + its outputs).
     """
 
-    def __init__(self, config: SchedulerConfig, worker: WorkerInfo, *,
+    def __init__(self, config: SchedulerConfig, worker: WorkerDescription, *,
                  seed_rng: random.Random | None = None) -> None:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < worker.max_model_len:
             # Without chunking a resumed request (prompt + outputs, up to max_model_len tokens) must
@@ -82,36 +81,19 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Validate ``request`` against the worker's limits and queue it (WAITING).
+        """Queue ``request`` (WAITING). Its prompt passed ``servicekit.contract.prompt.check_prompt``
+        where it entered (the gateway, or ``pagedserve.LLM``): the core does not check it again.
 
-        Raises InvalidArgumentError naming ``request_id`` (a live request has that id), ``prompt``
-        (empty, token ids outside the vocabulary, or too long) or ``max_tokens`` (prompt + max_tokens
-        past max_model_len or past the KV-cache size, or no output left to generate). On success the
-        request has a seed (drawn from ``seed_rng`` if it had none) and its block hashes.
+        Raises InvalidArgumentError naming ``request_id`` (a live request has that id) or
+        ``max_tokens`` (prompt + max_tokens need more KV blocks than the worker has, or no output is
+        left to generate). On success the request has a seed and its block hashes.
         """
         rid = request.request_id
         if rid in self.requests:
             raise InvalidArgumentError("request_id", f"a request with id {rid!r} is already running")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"{rid}: only fresh requests can be added, got {request!r}")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidArgumentError("prompt", "must contain at least one token")
-        try:
-            lo, hi = min(request.all_token_ids), max(request.all_token_ids)
-        except TypeError:
-            raise InvalidArgumentError("prompt", "token ids must be integers") from None
-        if lo < 0 or hi >= self.worker.vocab_size:
-            raise InvalidArgumentError("prompt", f"token ids must be in [0, {self.worker.vocab_size}), "
-                                                  f"got one in [{lo}, {hi}]")
-        max_len = self.max_model_len
-        if request.num_prompt_tokens >= max_len:
-            raise InvalidArgumentError("prompt", f"{request.num_prompt_tokens} tokens; the model takes "
-                                                  f"at most {max_len - 1} prompt tokens")
-        max_total = request.num_prompt_tokens + request.max_tokens
-        if max_total > max_len:
-            raise InvalidArgumentError("max_tokens", f"prompt ({request.num_prompt_tokens}) + max_tokens "
-                                                      f"({request.max_tokens}) exceeds max_model_len ({max_len})")
+        max_total = request.num_prompt_tokens + request.max_tokens  # within max_model_len: checked at entry
         kv = self.kv_cache_manager
         if kv.get_num_blocks_needed(max_total) > kv.num_total_blocks:
             raise InvalidArgumentError("max_tokens", f"prompt + max_tokens ({max_total} tokens) needs more "
@@ -119,9 +101,7 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens:
             raise InvalidArgumentError("max_tokens", f"the request already has {request.num_output_tokens} "
                                                       f"outputs (max_tokens {request.max_tokens})")
-        params = request.sampling_params
-        if params.seed is None:
-            request.sampling_params = params = params.with_seed(self._seed_rng.randrange(SEED_RANGE))
+        request.sampling_params = params = request.sampling_params.seeded(self._seed_rng)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self._eos_token_ids
@@ -139,12 +119,13 @@ class Scheduler:
 
         The plan is a diff (see ``outputs``): new and resumed requests in full, running ones as new
         block ids. Each scheduled request gets ``num_tokens - num_computed_tokens`` tokens, cut by
-        ``long_prefill_token_threshold`` and by what is left of the budget.
+        ``long_prefill_token_threshold``, by ``shared_prefill_token_threshold`` when the step is
+        shared (another request waits or runs), and by what is left of the budget.
         """
         cfg = self.config
         kv = self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        threshold = self._chunk_threshold()
         num_scheduled: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
@@ -282,6 +263,31 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def _chunk_threshold(self) -> int:
+        """The most tokens one request computes this step (0 = no cap): the hard cap, tightened to
+        the shared cap while two or more requests still wait for their first token (waiting, or
+        prefilling), so a long prompt's chunks keep the step short and leave room for the others'
+        prompts. A prompt alone, or beside requests that only decode, keeps the whole budget."""
+        cfg = self.config
+        if not cfg.enable_chunked_prefill:
+            return 0
+        threshold = cfg.long_prefill_token_threshold
+        shared = cfg.shared_prefill_token_threshold
+        if shared and not 0 < threshold <= shared and self._num_awaiting_first_token(limit=2) >= 2:
+            threshold = shared
+        return threshold
+
+    def _num_awaiting_first_token(self, limit: int) -> int:
+        """Requests that still have more than one token to compute (waiting ones, or prefilling),
+        counted up to ``limit``."""
+        count = min(len(self.waiting), limit)
+        for request in self.running:
+            if count >= limit:
+                break
+            if request.num_tokens - request.num_computed_tokens > 1:
+                count += 1
+        return count
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import random
+from dataclasses import dataclass, fields, replace
 
 from servicekit.contract.errors import InvalidArgumentError
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
+# Every list a client sends is bounded, so one request cannot make another's steps slow or the worker
+# big: stop token ids are a per-request set the worker keeps while min_tokens applies. Real stop
+# lists hold a few ids (a chat template's end tokens); 128 leaves room for unusual vocabularies.
+MAX_STOP_TOKEN_IDS = 128
 SEED_RANGE = 2**63
 
 
@@ -29,7 +34,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens with p < min_p * p_max, in [0, 1]
     seed: int | None = None  # None: one is assigned at admission (sampling stays reproducible)
     stop: tuple[str, ...] = ()  # stop strings, matched on text at the gateway
-    stop_token_ids: tuple[int, ...] = ()  # stop when one of these is sampled (after min_tokens)
+    stop_token_ids: tuple[int, ...] = ()  # stop when one is sampled (after min_tokens); <= MAX_STOP_TOKEN_IDS
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     repetition_penalty: float = 1.0  # > 0; 1 = off (HF semantics, over prompt + output)
     presence_penalty: float = 0.0  # in [-2, 2]; over output tokens (OpenAI semantics)
@@ -61,6 +66,9 @@ class SamplingParams:
                 raise InvalidArgumentError("stop", "stop strings must be non-empty strings")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise InvalidArgumentError("stop", f"a stop string is longer than {MAX_STOP_STRING_LEN} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before the per-item loop: bound the work too
+            raise InvalidArgumentError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         if not isinstance(self.ignore_eos, bool):
@@ -78,8 +86,27 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def with_seed(self, seed: int) -> SamplingParams:
-        """A copy with ``seed`` set (used at admission for requests that came without one)."""
+        """A copy with ``seed`` set (validated like any field)."""
         return replace(self, seed=seed)
+
+    def seeded(self, rng: random.Random) -> SamplingParams:
+        """The one place a seed is assigned (DESIGN.md decision 6): ``self`` when it has one, else a
+        copy with a seed drawn from ``rng`` (the gateway's at admission, the offline engine's)."""
+        if self.seed is not None:
+            return self
+        return self.trusted(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "seed"},
+                            seed=rng.randrange(SEED_RANGE))
+
+    @classmethod
+    def trusted(cls, **values) -> SamplingParams:
+        """An instance from values that were validated where they entered (a record decoded by an
+        inner service): not checked again. Unnamed fields take their defaults."""
+        params = object.__new__(cls)
+        for f in fields(cls):
+            object.__setattr__(params, f.name, values.pop(f.name) if f.name in values else f.default)
+        if values:
+            raise TypeError(f"unknown sampling parameters: {', '.join(sorted(values))}")
+        return params
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -105,14 +105,3 @@ class EngineCoreOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What a worker reports about itself when a scheduler connects (DESIGN.md decision 4)."""
-
-    model: str
-    num_blocks: int  # KV-cache blocks, including the reserved null block 0
-    block_size: int  # tokens per block
-    max_model_len: int  # prompt + output tokens, at most
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]

@@ -5,9 +5,9 @@ Each service's own ``convert.py`` builds on these; nothing else touches ``*_pb2`
 
 from __future__ import annotations
 
-from servicekit.proto.pb import sampling_pb2
-from servicekit.contract.step import FinishReason, TokenLogprobs
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import FinishReason, TokenLogprobs
+from servicekit.proto.pb import sampling_pb2
 
 _SCALAR_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
@@ -23,10 +23,13 @@ FINISH_REASON_TO_PB = {
 FINISH_REASON_FROM_PB = {v: k for k, v in FINISH_REASON_TO_PB.items()}
 
 
-def sampling_params_from_pb(msg: sampling_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults; raises InvalidArgumentError naming a bad field."""
+def sampling_params_from_pb(msg: sampling_pb2.SamplingParams, *, trusted: bool = False) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults. A client's message (``trusted=False``, the gateway)
+    is validated: InvalidArgumentError names a bad field; a record an inner service decodes was
+    validated where it entered and is taken as it is (``trusted=True``)."""
     kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
-    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+    make = SamplingParams.trusted if trusted else SamplingParams
+    return make(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
 
 
 def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None

@@ -44,8 +44,8 @@ def is_stale(proto_root: Path = DEFAULT_PROTO_ROOT, out_dir: Path = DEFAULT_OUT_
 
 def generate(proto_root: Path = DEFAULT_PROTO_ROOT, out_dir: Path = DEFAULT_OUT_DIR) -> list[Path]:
     """Run protoc over every ``.proto`` under ``proto_root/pagedserve/v1``; return the files written."""
-    from grpc_tools import protoc  # a dev/build dependency only: imported when generating
     import grpc_tools
+    from grpc_tools import protoc  # a dev/build dependency only: imported when generating
 
     sources = proto_files(proto_root)
     if not sources:

@@ -17,11 +17,13 @@ def status_of(error: PagedServeError) -> tuple[grpc.StatusCode, str, tuple[tuple
     """``(code, details, trailing metadata)`` a typed error travels as."""
     if isinstance(error, InvalidArgumentError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error), ((FIELD_METADATA_KEY, error.field),)
-    return grpc.StatusCode[error.code], error.message, ()
+    code = error.code if isinstance(error.code, grpc.StatusCode) else grpc.StatusCode[error.code]
+    return code, error.message, ()
 
 
 def error_from_rpc(err: grpc.RpcError) -> PagedServeError:
-    """The typed error for a failed call (``grpc.RpcError`` / ``grpc.aio.AioRpcError``)."""
+    """The typed error for a failed call (``grpc.RpcError`` / ``grpc.aio.AioRpcError``); its ``code``
+    is the ``grpc.StatusCode`` the call failed with."""
     code = err.code()
     details = err.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -32,7 +34,8 @@ def error_from_rpc(err: grpc.RpcError) -> PagedServeError:
         if not field and ": " in details:
             field = details.split(": ", 1)[0]
         message = details.split(": ", 1)[1] if details.startswith(f"{field}: ") else details
-        return InvalidArgumentError(field, message)
-    error = ERRORS_BY_CODE.get(code.name, PagedServeError)(details)
-    error.code = code.name
+        error: PagedServeError = InvalidArgumentError(field, message)
+    else:
+        error = ERRORS_BY_CODE.get(code.name, PagedServeError)(details)
+    error.code = code  # on the client side: the grpc.StatusCode itself
     return error

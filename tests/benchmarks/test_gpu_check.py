@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 sys.path.append(str(REPO / "benchmarks"))
 
-from gpucheck import wheels  # noqa: E402
 from gpu_check import SECTIONS  # noqa: E402
+from gpucheck import wheels  # noqa: E402
 
 # generous: on a loaded 2-core machine every process starts slowly; the budgets stretch alike
 TEST_BUDGET_S = 500

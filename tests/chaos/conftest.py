@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from pagedserve.local_cluster import LocalCluster
 from services.conftest import (  # noqa: F401  (fixtures re-exported for this folder)
     MAX_NUM_SEQS,
     NUM_BLOCKS,
@@ -23,6 +21,8 @@ from services.conftest import (  # noqa: F401  (fixtures re-exported for this fo
     redis_server_binary,
     tiny_model_dir,
 )
+
+from pagedserve.local_cluster import LocalCluster
 
 PREFIX = "chaos:"
 FAULT_TIMES = ["--lease-ttl-s", "2", "--reclaim-idle-s", "2", "--discovery-interval-s", "0.25"]
@@ -54,13 +54,18 @@ async def wait_for_async(condition, timeout_s: float, what: str, interval_s: flo
 
 
 def start_cluster(workdir, model_dir: str, *, num_workers: int, num_schedulers: int,
-                  num_gateways: int) -> LocalCluster:
-    """Redis (AOF on) + workers + schedulers (finding workers in the registry, a fair share each) +
-    gateways, as processes, all SERVING; on failure the cluster is stopped and its logs printed."""
+                  num_gateways: int, redis_ha: bool = False) -> LocalCluster:
+    """Redis (AOF on; with ``redis_ha`` a primary + one replica + three Sentinels that fail over
+    after 1 s of silence) + workers + schedulers (finding workers in the registry, a fair share
+    each) + gateways, as processes, all SERVING; on failure the cluster is stopped and its logs
+    printed."""
     redis_server_binary()  # skips when there is none
     cluster = LocalCluster(workdir, key_prefix=PREFIX, env={"OMP_NUM_THREADS": "1"})
     try:
-        cluster.start_redis()
+        if redis_ha:
+            cluster.start_redis_ha(num_replicas=1, num_sentinels=3, down_after_ms=1000, failover_timeout_ms=3000)
+        else:
+            cluster.start_redis()
         workers = [start_worker(cluster, model_dir, f"worker-{i}") for i in range(num_workers)]
         schedulers = [start_scheduler(cluster, f"scheduler-{i}") for i in range(num_schedulers)]
         gateways = [start_gateway(cluster, model_dir, f"gateway-{i}") for i in range(num_gateways)]
@@ -88,11 +93,11 @@ def new_cluster(tiny_model_dir, tmp_path):
     """A factory of clusters of the given shape for one test, stopped after it."""
     clusters: list[LocalCluster] = []
 
-    def make(*, num_workers: int, num_schedulers: int, num_gateways: int = 1) -> LocalCluster:
+    def make(*, num_workers: int, num_schedulers: int, num_gateways: int = 1, redis_ha: bool = False) -> LocalCluster:
         workdir = tmp_path / f"cluster-{len(clusters)}"
         workdir.mkdir()
         cluster = start_cluster(workdir, tiny_model_dir, num_workers=num_workers,
-                                num_schedulers=num_schedulers, num_gateways=num_gateways)
+                                num_schedulers=num_schedulers, num_gateways=num_gateways, redis_ha=redis_ha)
         clusters.append(cluster)
         return cluster
 
@@ -108,8 +113,9 @@ def new_cluster(tiny_model_dir, tmp_path):
 def pytest_runtest_makereport(item, call):
     report = yield
     if report.when == "call" and report.failed:
-        clusters = [item.funcargs.get("chaos_stack"), *getattr(item.funcargs.get("new_cluster"), "clusters", ())]
-        logs = "\n".join(c.logs() for c in clusters if c is not None)
+        clusters = [v for v in item.funcargs.values() if isinstance(v, LocalCluster)]
+        clusters += getattr(item.funcargs.get("new_cluster"), "clusters", [])
+        logs = "\n".join(c.logs() for c in clusters)
         if logs:  # the services' logs explain most chaos failures
             report.sections.append(("service logs", logs))
     return report

@@ -13,25 +13,25 @@ from scheduler_service.core import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
-    WorkerInfo,
+    WorkerDescription,
 )
 
 EOS = 2
 VOCAB_SIZE = 32_000
 _CONFIG_FIELDS = set(SchedulerConfig.__dataclass_fields__)
-_WORKER_FIELDS = set(WorkerInfo.__dataclass_fields__)
+_WORKER_FIELDS = set(WorkerDescription.__dataclass_fields__)
 
 
-def make_worker(**overrides) -> WorkerInfo:
+def make_worker(**overrides) -> WorkerDescription:
     """A small fake worker: 4-token blocks, 64 usable blocks, EOS = 2."""
     values = dict(model="fake", num_blocks=65, block_size=4, max_model_len=256, vocab_size=VOCAB_SIZE,
                   eos_token_ids=(EOS,))
     values.update(overrides)
-    return WorkerInfo(**values)
+    return WorkerDescription(**values)
 
 
 def make_scheduler(*, seed_rng: random.Random | None = None, **overrides) -> Scheduler:
-    """A scheduler over ``make_worker()``; keyword overrides go to SchedulerConfig or WorkerInfo by name."""
+    """A scheduler over ``make_worker()``; keyword overrides go to SchedulerConfig or WorkerDescription by name."""
     unknown = set(overrides) - _CONFIG_FIELDS - _WORKER_FIELDS
     if unknown:
         raise TypeError(f"unknown overrides {sorted(unknown)}")

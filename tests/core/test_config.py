@@ -55,3 +55,22 @@ def test_sampling_params_are_frozen_and_normalised():
     assert p.with_seed(5).seed == 5 and p.seed is None
     with pytest.raises(AttributeError):
         p.max_tokens = 3  # type: ignore[misc]
+
+
+def test_the_seed_is_assigned_once_and_only_when_missing():
+    import random
+
+    unseeded = SamplingParams(temperature=0.7)
+    seeded = unseeded.seeded(random.Random(1))
+
+    assert seeded.seed is not None and seeded.temperature == 0.7
+    assert seeded.seeded(random.Random(2)) is seeded  # a seed is never replaced
+    assert unseeded.seeded(random.Random(1)).seed == seeded.seed  # a pure function of the rng
+
+
+def test_trusted_params_skip_validation_but_keep_defaults():
+    params = SamplingParams.trusted(max_tokens=5, stop=("x",))
+
+    assert params == SamplingParams(max_tokens=5, stop=("x",))
+    with pytest.raises(TypeError, match="bogus"):
+        SamplingParams.trusted(bogus=1)

@@ -13,6 +13,7 @@ from scheduler_service.core import (
     RequestStatus,
     SamplingParams,
 )
+from servicekit.contract.prompt import check_prompt
 
 from .helpers import EOS, make_request, make_scheduler, model_output, step
 
@@ -402,14 +403,22 @@ def test_max_num_seqs_caps_the_running_batch():
         (dict(prompt_token_ids=[10**6]), "prompt"),
         (dict(n_tokens=256, max_tokens=1), "prompt"),
         (dict(n_tokens=200, max_tokens=57), "max_tokens"),
-        (dict(n_tokens=4, max_tokens=3, output_token_ids=[5, 6, 7]), "max_tokens"),
     ],
 )
-def test_add_request_validates_against_the_worker(kwargs, field):
+def test_the_prompt_check_names_the_field_the_worker_refuses(kwargs, field):
+    s = make_scheduler()
+    request = make_request(**kwargs)
+    with pytest.raises(InvalidArgumentError) as e:
+        check_prompt(request.prompt_token_ids, request.max_tokens, max_model_len=s.max_model_len,
+                     vocab_size=s.worker.vocab_size)
+    assert e.value.field == field
+
+
+def test_add_request_refuses_a_request_with_no_output_left():
     s = make_scheduler()
     with pytest.raises(InvalidArgumentError) as e:
-        s.add_request(make_request(**kwargs))
-    assert e.value.field == field
+        s.add_request(make_request(n_tokens=4, max_tokens=3, output_token_ids=[5, 6, 7]))
+    assert e.value.field == "max_tokens"
     assert not s.has_unfinished_requests()
 
 

@@ -27,8 +27,8 @@ import gateway_service.main
 import scheduler_service.main
 import worker_service.main
 from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
-from .manifests import (OVERLAYS, container_env, find, named_port, one, pod_spec, render,
-                                    workloads)
+
+from .manifests import OVERLAYS, container_env, find, named_port, one, pod_spec, render, workloads
 
 ROLES: dict[str, ModuleType] = {
     "gateway": gateway_service.main, "scheduler": scheduler_service.main, "worker": worker_service.main}

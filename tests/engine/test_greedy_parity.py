@@ -4,10 +4,10 @@ token for token — all prompts in one batch, with prefill chunked, and with req
 from __future__ import annotations
 
 import pytest
+from worker.factories import hf_greedy, random_prompts
 
 from kernels import cpu
 from pagedserve import LLM, SamplingParams
-from worker.factories import hf_greedy, random_prompts
 
 NUM_TOKENS = 32
 # max_tokens = min_tokens: exactly NUM_TOKENS tokens, EOS banned until then (HF's min_new_tokens)

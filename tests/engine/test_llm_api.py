@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from worker.factories import hf_greedy, random_prompts
 
 from pagedserve import LLM, SamplingParams
 from servicekit.contract.errors import InvalidArgumentError
-from worker.factories import hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")

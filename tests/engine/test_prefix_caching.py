@@ -3,8 +3,9 @@ tokens do not depend on whether caching is on."""
 
 from __future__ import annotations
 
-from pagedserve import LLM, SamplingParams
 from worker.factories import random_prompts
+
+from pagedserve import LLM, SamplingParams
 
 PREFIX_LEN = 64
 

@@ -4,9 +4,9 @@ same tokens alone, inside a batch, when chunked or preempted; unseeded ones foll
 from __future__ import annotations
 
 import pytest
+from worker.factories import random_prompts
 
 from pagedserve import LLM, SamplingParams
-from worker.factories import random_prompts
 
 SEEDED = SamplingParams(max_tokens=32, temperature=0.9, top_k=40, top_p=0.95, seed=1234, ignore_eos=True)
 OTHERS = [

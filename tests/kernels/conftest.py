@@ -86,3 +86,28 @@ def make_paged_batch(
 def paged_batch():
     """The :func:`make_paged_batch` factory."""
     return make_paged_batch
+
+
+STORAGES = ["block-major", "head-major", "strided"]
+
+
+@pytest.fixture(params=STORAGES)
+def storage(request) -> str:
+    """Each memory order a cache may have behind its logical layout."""
+    return request.param
+
+
+def empty_cache(storage: str, num_blocks: int = 8, block_size: int = 4, num_kv_heads: int = 2,
+                head_dim: int = 16) -> torch.Tensor:
+    """A zero cache with the logical layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` over
+    block-major, head-major (the CPU worker's) or strided (every other block) memory."""
+    if storage == "block-major":
+        return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    if storage == "head-major":
+        return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3)
+    return torch.zeros(2 * num_blocks, block_size, num_kv_heads, head_dim)[::2]
+
+
+@pytest.fixture(name="empty_cache")
+def empty_cache_fixture():
+    return empty_cache

@@ -136,20 +136,12 @@ def test_torch_decode_path_matches_reference(paged_batch, torch_decode, shape, g
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("storage", ["block-major", "head-major", "strided"])
-def test_cpu_reshape_and_cache_matches_reference(storage):
+def test_cpu_reshape_and_cache_matches_reference(storage, empty_cache):
     num_blocks, block_size, num_kv_heads, head_dim = 8, 4, 2, 16
-
-    def empty_cache() -> torch.Tensor:
-        if storage == "block-major":
-            return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
-        if storage == "head-major":
-            return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3)
-        return torch.zeros(2 * num_blocks, block_size, num_kv_heads, head_dim)[::2]  # every other block
 
     key, value = torch.randn(5, num_kv_heads, head_dim), torch.randn(5, num_kv_heads, head_dim)
     slot_mapping = torch.tensor([13, -1, 0, 31, 6])
-    caches = [empty_cache() for _ in range(4)]
+    caches = [empty_cache(storage) for _ in range(4)]
 
     cpu.cpu_reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
     ref_reshape_and_cache(key, value, caches[2], caches[3], slot_mapping)

@@ -72,18 +72,10 @@ def test_ref_paged_attention_writes_into_out(paged_batch):
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("storage", ["block-major", "head-major", "strided"])
-def test_ref_reshape_and_cache_writes_each_slot_and_skips_minus_one(slot_dtype, storage):
+def test_ref_reshape_and_cache_writes_each_slot_and_skips_minus_one(slot_dtype, storage, empty_cache):
     num_blocks, block_size, num_kv_heads, head_dim = 8, 4, 2, 16
 
-    def empty_cache() -> torch.Tensor:
-        if storage == "block-major":
-            return torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
-        if storage == "head-major":
-            return torch.zeros(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3)
-        return torch.zeros(2 * num_blocks, block_size, num_kv_heads, head_dim)[::2]  # every other block
-
-    key_cache, value_cache = empty_cache(), empty_cache()
+    key_cache, value_cache = empty_cache(storage), empty_cache(storage)
     key = torch.randn(5, num_kv_heads, head_dim)
     value = torch.randn(5, num_kv_heads, head_dim)
     slot_mapping = torch.tensor([13, -1, 0, 31, 6], dtype=slot_dtype)

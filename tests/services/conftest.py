@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from servicekit.proto import gen
 from pagedserve.launcher import find_redis_server, free_port, redis_pings
+from servicekit.proto import gen
 
 if gen.is_stale():  # the generated code is git-ignored; `make gen` normally writes it
     gen.generate()
@@ -152,12 +152,13 @@ async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_que
     from gateway_service.main import GatewayApp
     from gateway_service.settings import GatewaySettings
     from servicekit.redis_keys import RedisKeys
-    from servicekit.registry import Heartbeat, WorkerRecord
+    from servicekit.contract.worker import WorkerDescription
+    from servicekit.registry import Heartbeat
 
     keys = RedisKeys(prefix)
     redis = aioredis.from_url(stack.redis_url)
     info = stack.worker.info  # what a worker of this model registers
-    heartbeat = Heartbeat(redis, keys, WorkerRecord(
+    heartbeat = Heartbeat(redis, keys, WorkerDescription(
         worker_id="absent", address="127.0.0.1:1", model=stack.model, num_blocks=info.num_blocks,
         block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids), ttl_s=30)

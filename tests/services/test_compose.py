@@ -32,9 +32,26 @@ def test_compose_file_validates_against_the_compose_spec():
 
 def test_stack_has_redis_gateway_scheduler_worker_and_prometheus_all_with_healthchecks(compose):
     services = compose["services"]
-    assert set(services) == {"redis", "gateway", "scheduler", "worker", "prometheus"}
+    assert {name for name, s in services.items() if "profiles" not in s} == {"redis", "gateway", "scheduler", "worker",
+                                                                            "prometheus"}
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+
+
+def test_sentinel_profile_adds_a_replica_and_a_quorum_of_sentinels_the_services_can_be_pointed_at(compose):
+    services = compose["services"]
+    optional = {name for name, s in services.items() if "profiles" in s}
+    assert optional == {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
+    assert all(services[name]["profiles"] == ["sentinel"] for name in optional)
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1:replica.index("--replicaof") + 3] == ["redis", "6379"]
+    assert replica[replica.index("--appendonly") + 1] == "yes"
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        script = " ".join(services[name]["command"])
+        assert "--sentinel" in script and "sentinel monitor pagedserve redis 6379 2" in script
+    for name in ("gateway", "scheduler", "worker"):
+        env = services[name]["environment"]
+        assert "PAGEDSERVE_REDIS_SENTINELS" in env and env["PAGEDSERVE_REDIS_MASTER_NAME"] == "pagedserve"
 
 
 def test_redis_keeps_an_append_only_file(compose):

@@ -4,18 +4,19 @@ stream: every request that reaches the end of its tokens samples token 7)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from scheduler_service.convert import WorkerDescription
 from scheduler_service.core.config import SchedulerConfig
-from servicekit.contract.step import ModelRunnerOutput, WorkerInfo
 from scheduler_service.core.request import Request
-from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
+from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import ModelRunnerOutput
+from servicekit.contract.worker import WorkerDescription
 
-INFO = WorkerInfo(model="m", num_blocks=64, block_size=4, max_model_len=128, vocab_size=100, eos_token_ids=(2,))
+INFO = WorkerDescription(model="m", num_blocks=64, block_size=4, max_model_len=128, vocab_size=100, eos_token_ids=(2,))
 
 
 class ScriptedWorker:
@@ -56,7 +57,7 @@ class GatedQueue:
 
 def make_engine(queue) -> WorkerEngine:
     core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
-    return WorkerEngine(ScriptedWorker(), WorkerDescription(INFO, "w", 8, 64), core, queue, max_queued=8,
+    return WorkerEngine(ScriptedWorker(), replace(INFO, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64), core, queue, max_queued=8,
                         on_finished=lambda n, a: None)
 
 
@@ -70,7 +71,8 @@ async def test_request_submitted_while_the_engine_publishes_a_refusal_is_not_lef
     engine = make_engine(queue)
     task = asyncio.create_task(engine.run())
     queue.gate.clear()
-    engine.submit(make_request("too-long", max_tokens=INFO.max_model_len), "entry-refused")
+    # more KV than the worker has: the core refuses it (the length rule was checked at the gateway)
+    engine.submit(make_request("too-big", max_tokens=INFO.num_blocks * INFO.block_size), "entry-refused")
     await queue.publishing.wait()  # the engine is publishing the refusal; its core is empty
     engine.submit(make_request("b"), "entry-b")
     queue.gate.set()

@@ -12,26 +12,26 @@ import pytest
 import redis.asyncio as aioredis
 
 from pagedserve.failover import Failover, parse_addresses
-from servicekit.proto.pb import generation_pb2
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
 from scheduler_service import convert
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.leases import WorkerLeases
+from scheduler_service.redis_queue import RedisQueue
+from scheduler_service.routing import choose_engine
+from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import (
     EngineCoreOutput,
     FinishReason,
     ModelRunnerOutput,
     SchedulerOutput,
-    WorkerInfo,
 )
-from scheduler_service.core.request import Request
-from servicekit.contract.sampling_params import SamplingParams
-from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.leases import WorkerLeases
-from scheduler_service.redis_queue import RedisQueue
-from scheduler_service.routing import choose_engine
+from servicekit.contract.worker import WorkerDescription
+from servicekit.proto.pb import generation_pb2
+from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
 from worker_service.simulated_runner import SimulatedRunner, parse_step_latency
 
-INFO = WorkerInfo(model="m", num_blocks=64, block_size=4, max_model_len=128, vocab_size=1000, eos_token_ids=(2,))
+INFO = WorkerDescription(model="m", num_blocks=64, block_size=4, max_model_len=128, vocab_size=1000, eos_token_ids=(2,))
 SHARED_PREFIX = list(range(100, 124))  # 6 full blocks of 4
 
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from pagedserve.aio_client import AsyncClient
-from servicekit.proto.pb import scheduler_pb2, scheduler_pb2_grpc
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.proto.pb import scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 

@@ -6,9 +6,9 @@ import grpc
 import pytest
 
 from gateway_service.text import IncrementalDetokenizer, StopStringMatcher
-from servicekit.proto import convert as shared_convert
 from pagedserve.errors import InvalidArgumentError, from_rpc_error
 from scheduler_service import convert as scheduler_convert
+from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -16,7 +16,7 @@ from servicekit.contract.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from servicekit.contract.sampling_params import SamplingParams
+from servicekit.proto import convert as shared_convert
 from worker_service import convert as worker_convert
 
 

@@ -15,8 +15,8 @@ import pytest
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import DeadlineExceededError, InvalidArgumentError
-from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 from servicekit.proto.channel import CHANNEL_OPTIONS
+from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 
 from .test_health import SERVING, health
 
@@ -164,4 +164,4 @@ async def test_a_deadline_passed_in_the_queue_reaches_the_client_as_deadline_exc
         with pytest.raises(DeadlineExceededError) as info:
             await client.generate("Too late already", max_tokens=4, timeout=30)
     print(f"client got: {info.value.code} {info.value}")
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED.name
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import AlreadyExistsError, InvalidArgumentError
+
 from .test_generation import scheduler_stats, wait_until_kv_free
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from servicekit.contract.step import CachedRequestData, NewRequestData, SchedulerOutput
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import CachedRequestData, NewRequestData, SchedulerOutput
 
 TINY_VOCAB = 512
 TINY_EOS = 2

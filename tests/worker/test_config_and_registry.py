@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from servicekit.model_registry import ModelNotFoundError, resolve_model
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.model_registry import ModelNotFoundError, resolve_model
 from worker_service.config import parse_memory
 
 

@@ -1,0 +1,40 @@
+"""What a prompt must be for a model: the one length rule, and the checks that use it.
+
+Called where untrusted input enters (the gateway; ``pagedserve.LLM`` for its callers) and by the
+scheduler's routing (which worker can take a request); inner services trust what passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from servicekit.contract.errors import InvalidArgumentError
+
+
+def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> InvalidArgumentError | None:
+    """The length rule: a prompt leaves room for one output token, and prompt + max_tokens fit
+    ``max_model_len``. The error naming the field at fault, or None when the request fits."""
+    if num_prompt_tokens >= max_model_len:
+        return InvalidArgumentError("prompt", f"{num_prompt_tokens} tokens; the model takes at most "
+                                              f"{max_model_len - 1} prompt tokens")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        return InvalidArgumentError("max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
+                                                  f"exceeds the model's max_model_len ({max_model_len})")
+    return None
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, max_model_len: int, vocab_size: int,
+                 field: str = "prompt") -> None:
+    """Raise InvalidArgumentError unless the prompt is non-empty, its ids are in the vocabulary
+    (``field`` names where they came from) and it passes the length rule."""
+    if not prompt_token_ids:
+        raise InvalidArgumentError("prompt", "must contain at least one token")
+    try:
+        lo, hi = min(prompt_token_ids), max(prompt_token_ids)
+    except TypeError:
+        raise InvalidArgumentError(field, "token ids must be integers") from None
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidArgumentError(field, f"token ids must be in [0, {vocab_size}), got one in [{lo}, {hi}]")
+    error = length_error(len(prompt_token_ids), max_tokens, max_model_len)
+    if error is not None:
+        raise error

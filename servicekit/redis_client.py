@@ -1,0 +1,117 @@
+"""How every service reaches Redis: one function, :func:`connect`, from the service's settings.
+
+Two ways, chosen by the settings:
+
+- ``redis_url`` alone: one Redis server (``redis://[user:password@]host:port/db``; ``rediss://``
+  for TLS, with redis-py's ``ssl_*`` query options).
+- ``redis_sentinels`` (``host:port,...``) + ``redis_master_name``: the primary is whatever the
+  Sentinels say it is. Every new connection asks them for its address, and a connection to a
+  primary that was demoted (``READONLY``) or died is dropped, so after a failover the next command
+  (the services retry every ``RedisError``) reaches the promoted replica. The URL's host and port
+  are then ignored; its credentials, database and TLS choice still apply to the primary, and the
+  Sentinels are dialled with the same TLS choice and their own password
+  (``redis_sentinel_password``; Sentinel's ``requirepass`` is separate from the data nodes').
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from servicekit.flags import setting
+
+DEFAULT_MASTER_NAME = "pagedserve"
+
+# Seconds to reach a Sentinel or (re)connect to the primary: bounds how long one retry can hang on
+# a host that went away without a reset. Reads stay unbounded: the services block on XREAD.
+CONNECT_TIMEOUT_S = 2.0
+SENTINEL_TIMEOUT_S = 1.0
+
+# Options of the URL that name the server rather than how to talk to it (Sentinel names it).
+_LOCATION_OPTIONS = ("host", "port", "path", "connection_class")
+
+
+class RedisSettings(Protocol):
+    """The fields of a service's settings that :func:`connect` reads."""
+
+    redis_url: str
+    redis_sentinels: tuple[str, ...]
+    redis_master_name: str
+    redis_sentinel_password: str
+
+
+def redis_sentinels_setting() -> Any:
+    return setting((), help="comma-separated Redis Sentinel addresses host:port; when set, the primary is the one "
+                            "they name (--redis-master-name) and the Redis URL only gives credentials, database and "
+                            "TLS (rediss://)")
+
+
+def redis_master_name_setting() -> Any:
+    return setting(DEFAULT_MASTER_NAME, help="name the Sentinels monitor the primary under")
+
+
+def redis_sentinel_password_setting() -> Any:
+    return setting("", help="password of the Sentinels themselves (their requirepass; empty: none)")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``("host", port)``; ``[v6]:port`` keeps the address inside brackets."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"redis_sentinels: expected host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def validate(settings: RedisSettings) -> None:
+    """Raise ValueError naming the field when the Redis settings cannot work (call from
+    ``__post_init__``)."""
+    for address in settings.redis_sentinels:
+        parse_address(address)
+    if settings.redis_sentinels and not settings.redis_master_name:
+        raise ValueError("redis_master_name: must be non-empty with redis_sentinels")
+    if settings.redis_url:
+        from redis.asyncio.connection import parse_url
+
+        parse_url(settings.redis_url)  # raises ValueError naming what is wrong
+
+
+def uses_redis(settings: RedisSettings) -> bool:
+    """Whether the settings name a Redis at all (a worker may run without one)."""
+    return bool(settings.redis_url or settings.redis_sentinels)
+
+
+def uses_sentinel(settings: RedisSettings) -> bool:
+    return bool(settings.redis_sentinels)
+
+
+def connect(settings: RedisSettings):
+    """A ``redis.asyncio.Redis`` for the service's Redis: the one server of ``redis_url``, or the
+    primary the Sentinels name. Connects lazily (on the first command), so a Redis that is not up
+    yet surfaces as a ``RedisError`` the caller retries, never here."""
+    import redis.asyncio as aioredis
+
+    if not settings.redis_sentinels:
+        return aioredis.from_url(settings.redis_url)
+    from redis.asyncio.connection import SSLConnection, parse_url
+    from redis.asyncio.sentinel import Sentinel
+
+    options = parse_url(settings.redis_url) if settings.redis_url else {}
+    tls = options.get("connection_class") is SSLConnection
+    primary = {k: v for k, v in options.items() if k not in _LOCATION_OPTIONS}
+    tls_options = {k: v for k, v in primary.items() if k.startswith("ssl_")}
+    sentinel = Sentinel(
+        [parse_address(a) for a in settings.redis_sentinels],
+        sentinel_kwargs={"password": settings.redis_sentinel_password or None, "ssl": tls, **tls_options,
+                         "socket_connect_timeout": SENTINEL_TIMEOUT_S, "socket_timeout": SENTINEL_TIMEOUT_S},
+        ssl=tls, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_keepalive=True, **primary)
+
+    class SentinelRedis(aioredis.Redis):
+        """The primary's client; closing the one that owns the pool also closes the connections to
+        the Sentinels (a single-connection client from ``client()`` owns neither)."""
+
+        async def aclose(self, close_connection_pool: bool | None = None) -> None:
+            owner = self.auto_close_connection_pool if close_connection_pool is None else close_connection_pool
+            await super().aclose(close_connection_pool)
+            if owner:
+                await sentinel.aclose()
+
+    return sentinel.master_for(settings.redis_master_name, redis_class=SentinelRedis)
