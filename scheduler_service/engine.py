@@ -151,7 +151,7 @@ class WorkerEngine:
         for new in new_reqs:
             request = self.core.requests.get(new.request_id)
             if request is not None and not new.output_token_ids and request.num_preemptions == 0:
-                self._on_queue_time(self.description.info.model, max(0.0, now - request.arrival_time))
+                self._on_queue_time(self.description.model, max(0.0, now - request.arrival_time))
 
     async def run(self) -> None:
         """Step until cancelled or the worker is lost (then hand every held request back)."""
