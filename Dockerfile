@@ -30,6 +30,7 @@ RUN python -m servicekit.proto.gen && pip install ".[server]"
 RUN useradd --create-home pagedserve
 USER pagedserve
 
-EXPOSE 50051 50052 50061
+# gRPC: gateway, scheduler, worker; the gateway's HTTP API (+ /metrics); the scheduler's and worker's /metrics
+EXPOSE 50051 50052 50061 8000 9090
 ENTRYPOINT ["pagedserve"]
 CMD ["serve", "--host", "0.0.0.0"]

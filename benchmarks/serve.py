@@ -3,10 +3,15 @@ process on the same requests.
 
     python benchmarks/serve.py --start-stack --model smollm2-135m --num-requests 200 --llm
     python benchmarks/serve.py --address 127.0.0.1:50051 --request-rate 8
+    python benchmarks/serve.py --start-stack --backend both     # gRPC SDK vs OpenAI HTTP API
+    python benchmarks/serve.py --http-url http://127.0.0.1:8000/v1 --backend openai
 
 Requests: random token-id prompts and output lengths drawn uniformly around ``--input-len`` /
 ``--output-len`` (``--range-ratio``), ``ignore_eos`` so every request produces its output length,
-sent all at once (``--request-rate inf``) or as a Poisson process. Reports completed / failed,
+sent all at once (``--request-rate inf``) or as a Poisson process, through the gRPC SDK
+(``--backend grpc``), the official ``openai`` client against the gateway's HTTP API
+(``--backend openai``), or both in turn (``both``: the HTTP run gets prompts of the same lengths
+with other token ids, so the prefix cache favours neither). Reports completed / failed,
 request and output-token throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median, p99)
 as text and JSON (``benchmarks/results/serve-*.json``) with a PNG of the latency distributions.
 """
@@ -22,6 +27,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -86,46 +92,87 @@ def summarize(name: str, results: list[RequestResult], duration: float) -> dict:
     }
 
 
+async def drive(requests: list[BenchRequest], rate: float, seed: int,
+                chunks: Callable[[BenchRequest], AsyncIterator[tuple[int, bool]]]) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` (all at once, or as a Poisson process of ``rate``) and time each one's
+    chunks: ``chunks(request)`` yields (tokens it adds to the count, whether output arrived)."""
+    rng = random.Random(seed)
+
+    async def one(req: BenchRequest, delay: float) -> RequestResult:
+        await asyncio.sleep(delay)
+        result = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids))
+        start = last = time.perf_counter()
+        arrived_before = False
+        try:
+            async for new_tokens, arrived in chunks(req):
+                now = time.perf_counter()
+                if arrived:
+                    if not arrived_before:
+                        result.ttft, arrived_before = now - start, True
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                result.output_tokens += new_tokens
+            result.e2e = time.perf_counter() - start
+            result.ok = result.output_tokens == req.max_tokens
+            if not result.ok:
+                result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
+        except Exception as exc:  # a failed request is counted, not fatal
+            result.error = f"{type(exc).__name__}: {exc}"[:200]
+        return result
+
+    delays, t = [], 0.0
+    for _ in requests:
+        delays.append(t)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
+    return list(results), time.perf_counter() - started
+
+
 async def run_stack(address: str, requests: list[BenchRequest], rate: float, temperature: float,
                     seed: int) -> tuple[list[RequestResult], float]:
     from pagedserve.aio_client import AsyncClient
 
-    rng = random.Random(seed)
     async with AsyncClient(address, timeout=3600) as client:
         await client.generate([requests[0].prompt_token_ids[0]], max_tokens=2)  # warm-up
 
-        async def one(req: BenchRequest, delay: float) -> RequestResult:
-            await asyncio.sleep(delay)
-            result = RequestResult(ok=False, prompt_len=len(req.prompt_token_ids))
-            start = last = time.perf_counter()
-            try:
-                async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens, ignore_eos=True,
-                                         temperature=temperature, seed=req.seed) as stream:
-                    async for chunk in stream:
-                        now = time.perf_counter()
-                        if chunk.token_ids:
-                            if result.output_tokens == 0:
-                                result.ttft = now - start
-                            else:
-                                result.itl.append(now - last)
-                            last = now
-                            result.output_tokens += len(chunk.token_ids)
-                result.e2e = time.perf_counter() - start
-                result.ok = result.output_tokens == req.max_tokens
-                if not result.ok:
-                    result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
-            except Exception as exc:  # a failed request is counted, not fatal
-                result.error = f"{type(exc).__name__}: {exc}"[:200]
-            return result
+        async def chunks(req: BenchRequest) -> AsyncIterator[tuple[int, bool]]:
+            async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens, ignore_eos=True,
+                                     temperature=temperature, seed=req.seed) as stream:
+                async for chunk in stream:
+                    yield len(chunk.token_ids), bool(chunk.token_ids)
 
-        delays, t = [], 0.0
-        for _ in requests:
-            delays.append(t)
-            if math.isfinite(rate):
-                t += rng.expovariate(rate)
-        started = time.perf_counter()
-        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
-        return list(results), time.perf_counter() - started
+        return await drive(requests, rate, seed, chunks)
+
+
+def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:
+    """The same requests (lengths, seeds) with other prompt token ids: no prefix-cache hits on the
+    prompts of an earlier run."""
+    rng = random.Random(seed)
+    lo, hi = min(1000, vocab_size // 4), vocab_size - 1
+    return [BenchRequest([rng.randint(lo, hi) for _ in r.prompt_token_ids], r.max_tokens, r.seed) for r in requests]
+
+
+async def run_openai(base_url: str, model: str, requests: list[BenchRequest], rate: float, temperature: float,
+                     seed: int) -> tuple[list[RequestResult], float]:
+    """The same load through the official ``openai`` client, streamed, token counts from the
+    ``include_usage`` chunk (a chunk's text arriving marks TTFT and ITL)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600) as client:
+        await client.completions.create(model=model, prompt=[requests[0].prompt_token_ids[0]], max_tokens=2)
+
+        async def chunks(req: BenchRequest) -> AsyncIterator[tuple[int, bool]]:
+            stream = await client.completions.create(
+                model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens, temperature=temperature,
+                seed=req.seed, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                usage = chunk.usage.completion_tokens if chunk.usage is not None else 0
+                yield usage, bool(chunk.choices and chunk.choices[0].text)
+
+        return await drive(requests, rate, seed, chunks)
 
 
 def run_llm(model: str, requests: list[BenchRequest], temperature: float, engine_options: dict
@@ -184,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", help="benchmark a running gateway")
     where.add_argument("--start-stack", action="store_true", help="start `pagedserve serve` for the run")
+    where.add_argument("--http-url", help="benchmark a running gateway's HTTP API (base URL, e.g. "
+                                          "http://127.0.0.1:8000/v1); implies --backend openai")
+    parser.add_argument("--backend", choices=("grpc", "openai", "both"), default="grpc",
+                        help="gRPC SDK, the OpenAI HTTP API through the openai client, or both in turn")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at once")
@@ -214,20 +265,44 @@ def main(argv: list[str] | None = None) -> int:
                              args.seed)
     summaries = []
     stack = None
+    if args.http_url:
+        args.backend = "openai"
+    elif args.address and args.backend != "grpc":
+        parser.error("--backend openai/both with --address: give the HTTP API as --http-url instead")
     try:
-        address = args.address
+        address, http_url = args.address, args.http_url
         if args.start_stack:
             from pagedserve.launcher import Stack, StackOptions, free_port
 
             worker_args = [f"--max-num-seqs={args.max_num_seqs}"]
             if args.kv_cache_memory:
                 worker_args.append(f"--kv-cache-memory={args.kv_cache_memory}")
-            stack = Stack(StackOptions(model=args.model, port=free_port(), scheduler_port=free_port(),
-                                       worker_port=free_port(), log_level="WARNING", worker_args=worker_args))
+            http_port = free_port()
+            stack = Stack(StackOptions(model=args.model, port=free_port(), http_port=http_port,
+                                       scheduler_port=free_port(), worker_port=free_port(), log_level="WARNING",
+                                       worker_args=worker_args))
             address = stack.start()
-        results, duration = asyncio.run(run_stack(address, requests, args.request_rate, args.temperature, args.seed))
-        summaries.append(summarize("stack", results, duration))
-        print(report(summaries[-1]), flush=True)
+            http_url = f"http://127.0.0.1:{http_port}/v1"
+        print(f"load average before: {os.getloadavg()}", flush=True)
+        if args.backend in ("grpc", "both"):
+            results, duration = asyncio.run(run_stack(address, requests, args.request_rate, args.temperature,
+                                                      args.seed))
+            summaries.append(summarize("stack (gRPC SDK)", results, duration))
+            print(report(summaries[-1]), flush=True)
+        if args.backend in ("openai", "both"):
+            http_requests = fresh_tokens(requests, vocab_size, args.seed + 1) if args.backend == "both" else requests
+            served_name = args.model if args.http_url is None else _served_model(http_url)
+            results, duration = asyncio.run(run_openai(http_url, served_name, http_requests, args.request_rate,
+                                                       args.temperature, args.seed))
+            summaries.append(summarize("stack (OpenAI HTTP)", results, duration))
+            print(report(summaries[-1]), flush=True)
+        if args.backend == "both":
+            grpc_run, http_run = summaries[-2], summaries[-1]
+            print(f"HTTP / gRPC output-token throughput: "
+                  f"{http_run['output_token_throughput'] / max(grpc_run['output_token_throughput'], 1e-9):.1%}; "
+                  f"median TTFT {http_run['ttft_s']['median'] * 1e3:.1f} ms vs {grpc_run['ttft_s']['median'] * 1e3:.1f} ms "
+                  f"(goal: HTTP within 10%)")
+        print(f"load average after: {os.getloadavg()}", flush=True)
     finally:
         if stack is not None:
             stack.stop()
@@ -239,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         llm_results, llm_duration = run_llm(args.model, requests, args.temperature, engine_options)
         summaries.append(summarize("LLM (in-process)", llm_results, llm_duration))
         print(report(summaries[-1]))
-        ratio = summaries[0]["output_token_throughput"] / max(summaries[1]["output_token_throughput"], 1e-9)
+        ratio = summaries[0]["output_token_throughput"] / max(summaries[-1]["output_token_throughput"], 1e-9)
         print(f"stack / in-process output-token throughput: {ratio:.1%} (goal >= 90%)")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"serve-{Path(args.model).name}-n{args.num_requests}-r{args.request_rate}{'-' + args.tag if args.tag else ''}"
@@ -248,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.out / f"{stem}.png")
     print(f"wrote {args.out / (stem + '.json')}")
     return 0
+
+
+def _served_model(base_url: str) -> str:
+    """The model a running gateway serves (its /v1/models)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base_url}/models", timeout=30) as reply:
+        return json.loads(reply.read())["data"][0]["id"]
 
 
 def _vocab_size(source) -> int:

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from gateway_service import convert
 from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.metrics import GatewayMetrics
 from gateway_service.model_limits import ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, Subscription
 from gateway_service.request_queue import RequestQueue
@@ -51,11 +52,13 @@ class GenerationService:
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
                  prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
-                 tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0) -> None:
+                 tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0,
+                 metrics: GatewayMetrics | None = None) -> None:
         self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
         self._max_buffered = max_buffered_outputs
         self.model = model
         self._per_key = per_key or ConcurrencyLimits(0)
+        self._metrics = metrics
         self._prompt_bytes_per_token = prompt_bytes_per_token
         self._keys = keys
         self.tokenizer = tokenizer
@@ -146,6 +149,7 @@ class GenerationService:
         sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered,
                                      on_overflow=lambda: self._on_slow_reader(request_id))
         reading = finished = False  # reading: counted among the request's readers in Redis
+        timer = None
         try:
             try:
                 if inp.resume_from_index is not None:
@@ -154,12 +158,16 @@ class GenerationService:
                     record = convert.engine_request_to_record(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
+                    sent = time.perf_counter()
                     await self._queue.admit(request_id, record, digests, self._fanout.wake_key, owner)
+                    if self._metrics is not None:
+                        self._metrics.redis_admit.observe(time.perf_counter() - sent)
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             reading = True
             if inp.resume_from_index is None:
                 self._tokens_per_key.charge(owner, len(prompt_ids))
+            timer = self._metrics.start() if self._metrics is not None else None
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
@@ -168,6 +176,8 @@ class GenerationService:
                     self._tokens_per_key.charge(owner, len(chunk.token_ids))
                     if chunk.finish_reason is not None:
                         finished = True
+                    if timer is not None:
+                        timer.chunk(chunk)
                     yield chunk
             except PagedServeError:
                 # Redis away (the request lives on; the client resumes it by id), or the request's
@@ -179,6 +189,8 @@ class GenerationService:
             if reading:
                 if not finished:
                     log.info("request %s left by a client: aborting it unless another call reads it", request_id)
+                    if timer is not None:
+                        timer.client_left()
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
             self._per_key.release(owner)

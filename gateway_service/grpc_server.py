@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 
+from prometheus_client import CollectorRegistry
+
 from gateway_service import convert
 from gateway_service.generation import GenerationService
 from gateway_service.settings import GatewaySettings
@@ -42,7 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 def build_server(service: GenerationService, settings: GatewaySettings | None = None,
-                 keys: KeyStore | None = None) -> ServerLifecycle:
+                 keys: KeyStore | None = None, registry: CollectorRegistry | None = None) -> ServerLifecycle:
     """The gateway's server: every Generation method needs an API key of ``keys`` (when it holds
     any); health and, unless ``settings.reflection`` is off, reflection stay open."""
     settings = settings or GatewaySettings()
@@ -50,7 +52,7 @@ def build_server(service: GenerationService, settings: GatewaySettings | None = 
     size = settings.max_message_bytes
     lifecycle = ServerLifecycle(
         [GENERATION_SERVICE], interceptors=[BearerAuthInterceptor(keys or KeyStore(), open_services=open_services)],
-        reflection_on=settings.reflection,
+        reflection_on=settings.reflection, registry=registry,
         options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
                  ("grpc.max_concurrent_streams", settings.max_concurrent_streams)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), lifecycle.server)

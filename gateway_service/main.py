@@ -33,11 +33,16 @@ class GatewayApp:
         self.lifecycle = None
         self._limits = None
         self._fanout = None
+        self._http = None
         self.port = 0
+        self.http_port = -1  # -1: no HTTP API
 
     async def start(self) -> None:
+        from prometheus_client import CollectorRegistry
+
         from gateway_service.generation import GenerationService
         from gateway_service.grpc_server import build_server
+        from gateway_service.metrics import GatewayMetrics
         from gateway_service.model_limits import ModelLimitsView
         from gateway_service.output_fanout import OutputFanout
         from gateway_service.request_queue import RequestQueue
@@ -58,19 +63,35 @@ class GatewayApp:
                                     outage_s=s.redis_outage_s)
         queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s,
                              replica_wait_ms=s.admission_replica_wait_ms)
+        registry = CollectorRegistry()
+        metrics = GatewayMetrics(registry, s.model)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
                                          limits=self._limits, queue=queue, fanout=self._fanout,
                                          prompt_bytes_per_token=s.prompt_bytes_per_token,
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
-                                         max_buffered_outputs=s.max_buffered_outputs)
-        self.lifecycle = build_server(self.service, s, api_keys)
+                                         max_buffered_outputs=s.max_buffered_outputs, metrics=metrics)
+        metrics.streams.set_function(lambda: self.service.in_flight)
+        self.lifecycle = build_server(self.service, s, api_keys, registry)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
+        if s.http_port >= 0:
+            # Same event loop as gRPC: an HTTP call runs the very coroutines a Generate call runs,
+            # behind the same API keys.
+            from gateway_service.http_api import OpenAIHttpApi
+            from servicekit.http_server import HttpServer
+
+            self._http = HttpServer(OpenAIHttpApi(self.service, registry, keys=api_keys).app, name="gateway",
+                                    tls=s.tls)
+            self.http_port = self._http.bind(s.http_host or s.host, s.http_port)
         self._limits.start()
         self._fanout.start()
         await self.lifecycle.start()
-        log.info("gateway %s for %s listening on %s:%d (%s, %s)", s.gateway_id, s.model, s.host, self.port,
-                 "TLS" if s.tls.enabled else "plaintext", f"{len(api_keys)} API keys" if api_keys.enabled else "no API keys")
+        if self._http is not None:
+            await self._http.start()
+        log.info("gateway %s for %s listening on %s:%d (gRPC), HTTP %s (%s, %s)", s.gateway_id, s.model, s.host,
+                 self.port, f"on {s.http_host or s.host}:{self.http_port}" if self._http is not None else "off",
+                 "TLS" if s.tls.enabled else "plaintext",
+                 f"{len(api_keys)} API keys" if api_keys.enabled else "no API keys")
 
     def _key_store(self) -> KeyStore:
         s = self.settings
@@ -90,6 +111,8 @@ class GatewayApp:
             self.service.draining = True
         if self.lifecycle is not None:
             await self.lifecycle.drain(grace, self.service.wait_idle)
+        if self._http is not None:  # its streams ended with the drain above; idle keep-alives close now
+            await self._http.stop(1.0)
         if self._fanout is not None:
             await self._fanout.stop()
         if self._limits is not None:
@@ -102,7 +125,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     return service_parser(
         "pagedserve gateway",
         "Run a gateway: the public pagedserve.v1.Generation gRPC service (Generate, Tokenize, "
-                    "ModelInfo) plus grpc.health.v1 and reflection. Stateless: validates and tokenizes each "
+                    "ModelInfo) plus grpc.health.v1 and reflection, and the OpenAI-compatible HTTP API "
+                    "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                    "/metrics) on --http-port. Stateless: validates and tokenizes each "
                     "request, enqueues it in Redis ({prefix}requests), streams its tokens back from "
                     "{prefix}out:{request_id} as text, applies stop strings, aborts requests whose client "
                     "left. Learns the model's limits from the workers registered in Redis. SIGTERM: report "

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from servicekit import redis_client
 from servicekit.flags import (
+    check_port,
     drain_grace_setting,
     key_prefix_setting,
     redis_url_setting,
@@ -16,7 +17,7 @@ from servicekit.flags import (
     tls_cert_setting,
     tls_key_setting,
 )
-from servicekit.ports import GATEWAY_PORT
+from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT
 from servicekit.redis_keys import RedisKeys
 from servicekit.tls import TlsFiles
 
@@ -32,6 +33,9 @@ class GatewaySettings:
                                               "the name the workers were started with")
     host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
     port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    http_host: str = setting("", help="interface of the OpenAI-compatible HTTP API and /metrics (empty: --host)")
+    http_port: int = setting(GATEWAY_HTTP_PORT, help="port of the OpenAI-compatible HTTP API and /metrics (0 = any free port, "
+                                        "-1 = no HTTP)")
     redis_url: str = redis_url_setting()
     redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
     redis_master_name: str = redis_client.redis_master_name_setting()
@@ -100,8 +104,8 @@ class GatewaySettings:
                 raise ValueError(f"{name}: must be >= {least}, got {getattr(self, name)}")
         if not self.model:
             raise ValueError("model: must be non-empty")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        check_port("port", self.port)
+        check_port("http_port", self.http_port, allow_off=True)
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests: must be >= 0, got {self.max_queued_requests}")
         if self.redis_outage_s <= 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve.errors import from_rpc_error
-from servicekit.grpc_auth import bearer_metadata
+from servicekit.auth import bearer_metadata
 from servicekit.proto.pb import scheduler_pb2, scheduler_pb2_grpc
 from servicekit.tls import TlsFiles, aio_channel, sync_channel
 

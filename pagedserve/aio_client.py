@@ -35,7 +35,7 @@ from pagedserve import wire
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient, parse_addresses
-from servicekit.grpc_auth import bearer_metadata
+from servicekit.auth import bearer_metadata
 from servicekit.ports import GATEWAY_PORT
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc

@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servicekit.flags import LOG_LEVELS, key_prefix_setting, setting
-from servicekit.ports import GATEWAY_PORT, SCHEDULER_PORT, WORKER_PORT
+from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT, SCHEDULER_PORT, WORKER_PORT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,7 @@ class StackOptions:
     model: str = setting("smollm2-135m", help="short name, Hugging Face folder or .gguf file")
     host: str = setting("127.0.0.1", help="gateway interface")
     port: int = setting(GATEWAY_PORT, help="gateway port")
+    http_port: int = setting(GATEWAY_HTTP_PORT, help="gateway's OpenAI-compatible HTTP port (0: a free one, -1: none)")
     scheduler_port: int = setting(SCHEDULER_PORT, help="scheduler stats/health port")
     worker_port: int = setting(WORKER_PORT, help="worker port")
     redis_port: int = setting(0, help="port of the Redis started here (0: a free one)")
@@ -128,7 +129,8 @@ class Stack:
         self._wait_serving(worker)
         scheduler = self._service("scheduler", ["--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
                                                 "--port", str(o.scheduler_port), *common], o.scheduler_port)
-        gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port), *common],
+        gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port),
+                                            "--http-port", str(o.http_port), *common],
                                 o.port)
         self._wait_serving(scheduler)
         self._wait_serving(gateway)
@@ -205,7 +207,10 @@ def serve(options: StackOptions) -> int:
               f"  try:  pagedserve generate \"The capital of France is\" --address {address} --stream\n"
               f"        python -c \"from pagedserve.client import Client; "
               f"print(Client('{address}').generate('Hello', max_tokens=32).text)\"\n"
-              f"  Ctrl-C stops everything.\n", flush=True)
+              + (f"        curl http://{options.host}:{options.http_port}/v1/completions -H 'Content-Type: "
+                 f"application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 32}}'\n"
+                 if options.http_port > 0 else "")
+              + "  Ctrl-C stops everything.\n", flush=True)
         while not stop_requested:
             dead = stack.first_exited()
             if dead is not None:

@@ -70,6 +70,7 @@ class LocalCluster:
         base = dict(os.environ)
         base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH", "")) if p)
         base["PYTHONUNBUFFERED"] = "1"
+        base["PAGEDSERVE_HTTP_PORT"] = "0"  # several gateways on one host: each HTTP API on a free port
         base.update(env or {})
         self.env = base
 

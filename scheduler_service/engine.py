@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
@@ -54,8 +55,10 @@ class WorkerEngine:
 
     def __init__(self, client: WorkerClient, description: WorkerDescription, core: Scheduler,
                  queue: RedisQueue, *, max_queued: int, on_finished: Callable[[int, int], None],
-                 on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None) -> None:
+                 on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None,
+                 on_queue_time: Callable[[str, float], None] | None = None) -> None:
         self.client = client
+        self._on_queue_time = on_queue_time  # (model, seconds from arrival) at a request's first scheduling
         self.address = client.address
         self.worker_id = description.worker_id
         self.description = description
@@ -140,6 +143,16 @@ class WorkerEngine:
 
     # -- the loop -------------------------------------------------------------------------------------
 
+    def _observe_queue_times(self, new_reqs) -> None:
+        """Queue time (vLLM's ``request_queue_time_seconds``): arrival at the gateway to the first
+        scheduling, once per request; a resumed one (preempted, or moved from a lost worker)
+        waited for its worker before and is not counted again."""
+        now = time.time()
+        for new in new_reqs:
+            request = self.core.requests.get(new.request_id)
+            if request is not None and not new.output_token_ids and request.num_preemptions == 0:
+                self._on_queue_time(self.description.model, max(0.0, now - request.arrival_time))
+
     async def run(self) -> None:
         """Step until cancelled or the worker is lost (then hand every held request back)."""
         core = self.core
@@ -165,6 +178,8 @@ class WorkerEngine:
                     except asyncio.TimeoutError:
                         pass
                     continue
+                if self._on_queue_time is not None:
+                    self._observe_queue_times(scheduler_output.scheduled_new_reqs)
                 runner_output = await self.client.step(scheduler_output)
                 self.num_steps += 1
                 await self._publish(core.update_from_output(scheduler_output, runner_output))

@@ -34,12 +34,14 @@ from scheduler_service import convert
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
+from scheduler_service.metrics import SchedulerCollector, queue_time_histogram
 from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.workers import WorkerPool
 from servicekit import redis_client
 from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
+from servicekit.metrics import MetricsPort
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
 
@@ -72,6 +74,7 @@ class ServiceStats:
     num_reclaimed: int = 0  # entries taken over from dead schedulers
     num_dead_lettered: int = 0  # requests given up after too many takeovers
     num_taken_over: int = 0  # requests this scheduler held that another one took over
+    num_worker_failovers: int = 0  # workers lost while holding requests
 
 
 class SchedulerApp:
@@ -99,6 +102,9 @@ class SchedulerApp:
         self.num_reclaimed = 0
         self.num_dead_lettered = 0
         self.num_taken_over = 0
+        self.num_worker_failovers = 0
+        self.metrics: MetricsPort | None = None
+        self.metrics_port = -1  # -1: /metrics not served
         self.port = 0
 
     @property
@@ -120,10 +126,14 @@ class SchedulerApp:
         # The admin server uses the scheduler's certificate; with a CA, its clients need one too.
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls if s.tls_cert_file else None)
         await self.lifecycle.start()
+        self.lifecycle.registry.register(SchedulerCollector(self.stats))
+        self.metrics = MetricsPort(self.lifecycle.registry, name="scheduler")
+        self.metrics_port = await self.metrics.start(s.host, s.metrics_port)
         self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,
                                on_finished=self._count_finished, stranded=lambda: len(self._backlog),
-                               on_starving=self._hand_back_backlog)
+                               on_starving=self._hand_back_backlog,
+                               on_queue_time=queue_time_histogram(self.lifecycle.registry))
         abort_cursor = await self.queue.last_abort_id()  # before intake: no abort slips between
         await self.pool.start()
         self._tasks = [
@@ -149,6 +159,8 @@ class SchedulerApp:
         if self.lifecycle is not None:
             await self.lifecycle.drain(grace, self._wait_engines_idle)
         await cancel_and_wait(self._tasks)
+        if self.metrics is not None:
+            await self.metrics.stop()
         leftover = list(self._held_entries())
         if self.pool is not None:
             await self.pool.stop()
@@ -176,7 +188,8 @@ class SchedulerApp:
             WorkerStatsView(e.address, e.description.model, e.connected, e.num_steps, e.core.stats(),
                             e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing)
             for e in self.engines.values()],
-            self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over)
+            self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over,
+            self.num_worker_failovers)
 
     def _count_finished(self, num_finished: int, num_aborted: int) -> None:
         self.num_finished += num_finished
@@ -262,6 +275,7 @@ class SchedulerApp:
         """A worker was lost: its requests (prompt + delivered outputs) go first in line."""
         if handed:
             log.info("resuming %d requests of lost worker %s", len(handed), engine.address)
+            self.num_worker_failovers += 1
         self.num_resumed += len(handed)
         self._backlog.extendleft(reversed(handed))
         self._capacity.set()

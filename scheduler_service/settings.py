@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from servicekit import redis_client
 from servicekit.flags import (
+    check_port,
     drain_grace_setting,
     internal_token_setting,
     key_prefix_setting,
+    metrics_port_setting,
     redis_url_setting,
     setting,
     tls_ca_setting,
@@ -39,6 +41,7 @@ class SchedulerSettings:
         (), help="comma-separated worker addresses host:port (empty: find workers in the Redis registry)")
     host: str = setting("127.0.0.1", help="interface of the stats/health server")
     port: int = setting(DEFAULT_PORT, help="port of the stats/health server (0 = any)")
+    metrics_port: int = metrics_port_setting()
     consumer: str = setting(default_factory=default_consumer, help="consumer name in the Redis group")
     redis_url: str = redis_url_setting()
     redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
@@ -102,8 +105,8 @@ class SchedulerSettings:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port, allow_off=True)
         if self.output_ttl_s < 1:
             raise ValueError(f"output_ttl_s: must be >= 1, got {self.output_ttl_s}")
         if self.discovery_interval_s <= 0 or self.poll_block_ms < 1:

@@ -11,9 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_service import convert
+from servicekit.auth import bearer_metadata
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
-from servicekit.grpc_auth import bearer_metadata
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.tls import TlsFiles, aio_channel

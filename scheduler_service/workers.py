@@ -69,8 +69,10 @@ class WorkerPool:
                  admin_address: str, on_change: Callable[[], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None],
                  on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0,
-                 on_starving: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_starving: Callable[[], Awaitable[None]] | None = None,
+                 on_queue_time: Callable[[str, float], None] | None = None) -> None:
         self.settings = settings
+        self._on_queue_time = on_queue_time
         self._redis = redis
         self._keys = keys
         self._queue = queue
@@ -350,7 +352,8 @@ class WorkerPool:
             return
         engine = WorkerEngine(client, description, core, self._queue,
                               max_queued=s.max_queued_per_worker or config.max_num_seqs,
-                              on_finished=self._on_finished, on_lost=self._engine_lost)
+                              on_finished=self._on_finished, on_lost=self._engine_lost,
+                              on_queue_time=self._on_queue_time)
         self.engines[address] = engine
         self._engine_tasks[address] = asyncio.create_task(engine.run(), name=f"engine {address}")
         self._side_tasks[address] = asyncio.create_task(

@@ -70,6 +70,14 @@ def bearer_token(authorization: str | None) -> str | None:
     return token or None
 
 
+AUTHORIZATION = "authorization"  # the gRPC metadata key (and HTTP header) that carries a key
+
+
+def bearer_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``key`` (none without a key): what a client sends."""
+    return ((AUTHORIZATION, f"Bearer {key}"),) if key else ()
+
+
 class KeyStore:
     """The keys a service accepts: ``keys`` given directly (an env var's list) plus those of
     ``keys_file``. Thread-safe; :meth:`check` is cheap (one SHA-256, one compare per key)."""

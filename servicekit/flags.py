@@ -144,6 +144,19 @@ def key_prefix_setting() -> Any:
     return setting(DEFAULT_PREFIX, help="prefix of every Redis key, so two stacks can share one Redis")
 
 
+def metrics_port_setting() -> Any:
+    """Off by default: several services of a kind share one host in local runs and tests, and
+    each would claim the same port; Kubernetes sets 9090 (deploy/k8s settings.env)."""
+    return setting(-1, help="port of Prometheus /metrics on --host (0 = any free port, -1 = none)")
+
+
+def check_port(name: str, port: int, *, allow_off: bool = False) -> None:
+    """A port setting in [0, 65536), or -1 (off) where ``allow_off``; raises ValueError naming it."""
+    low = -1 if allow_off else 0
+    if not low <= port < 65536:
+        raise ValueError(f"{name}: must be in [{low}, 65536), got {port}")
+
+
 def drain_grace_setting() -> Any:
     return setting(30.0, help="on SIGTERM, seconds in-flight work may take to finish before the server stops")
 

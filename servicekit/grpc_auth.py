@@ -19,10 +19,9 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from servicekit.auth import KeyStore
+from servicekit.auth import AUTHORIZATION, KeyStore
 from servicekit.serving import rewrap_handler
 
-AUTHORIZATION = "authorization"
 HEALTH_SERVICES = (health.SERVICE_NAME,)
 REFLECTION_SERVICES = (reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
 
@@ -33,10 +32,6 @@ def caller_key_digest() -> str:
     """The digest of the key that admitted the current call ("" when the service has no keys)."""
     return _caller_digest.get()
 
-
-def bearer_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
-    """The call metadata that presents ``key`` (none without a key)."""
-    return ((AUTHORIZATION, f"Bearer {key}"),) if key else ()
 
 
 def _service_of(method: str) -> str:

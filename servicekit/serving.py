@@ -24,8 +24,10 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
+from servicekit.metrics import GrpcMetricsInterceptor
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.status import status_of
 from servicekit.tls import TlsFiles, server_credentials
@@ -179,14 +181,19 @@ class ServerLifecycle:
     """A ``grpc.aio`` server with health checking and reflection for ``service_names``.
 
     Health: the overall status ("") and each named service are SERVING after :meth:`start` and
-    NOT_SERVING from the moment :meth:`drain` begins.
+    NOT_SERVING from the moment :meth:`drain` begins. ``registry`` holds the service's Prometheus
+    metrics, the gRPC server's among them.
     """
 
     def __init__(self, service_names: Iterable[str], *, interceptors: Iterable = (), reflection_on: bool = True,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), registry: CollectorRegistry | None = None) -> None:
         self.service_names = list(service_names)
+        # The service's metrics (servicekit.metrics): gRPC server metrics here, the service's own beside.
+        self.registry = registry if registry is not None else CollectorRegistry()
+        # Metrics outermost, so they count the status the error mapping chose.
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), *interceptors], options=server_options(options))
+            interceptors=[GrpcMetricsInterceptor(self.registry), ErrorMappingInterceptor(), *interceptors],
+            options=server_options(options))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection_on:

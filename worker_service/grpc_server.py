@@ -56,6 +56,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.stopping = False  # set when the server stops: a stream broken by that is no error
         self.num_steps = 0
 
+    @property
+    def num_held(self) -> int:
+        """Requests the runner holds now."""
+        return len(self._live)
+
     # -- rpcs -----------------------------------------------------------------------------------------
 
     async def Describe(self, request, context):

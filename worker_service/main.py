@@ -19,9 +19,11 @@ from dataclasses import dataclass
 
 from servicekit import redis_client
 from servicekit.flags import (
+    check_port,
     drain_grace_setting,
     internal_token_setting,
     key_prefix_setting,
+    metrics_port_setting,
     redis_url_setting,
     service_parser,
     setting,
@@ -30,12 +32,14 @@ from servicekit.flags import (
     tls_cert_setting,
     tls_key_setting,
 )
+from servicekit.metrics import MetricsPort
 from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat
 from servicekit.serving import is_loopback, service_main
 from servicekit.tls import TlsFiles
 from worker_service.config import ModelRunnerConfig
+from worker_service.metrics import WorkerCollector
 from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
@@ -51,6 +55,7 @@ class WorkerSettings:
     runner: ModelRunnerConfig  # what to load and how big the KV cache and batch are
     host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
     port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
+    metrics_port: int = metrics_port_setting()
     advertise_address: str = setting("", help="host:port schedulers should dial (default: derived from "
                                               "--host/--port)")
     worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
@@ -85,8 +90,8 @@ class WorkerSettings:
         if self.tls_cert_file and not self.tls_ca_file:
             raise ValueError("tls_ca_file: a worker with TLS must require client certificates (give the CA that "
                              "signs the schedulers' certificates)")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port, allow_off=True)
         if self.heartbeat_ttl_s < 1:
             raise ValueError(f"heartbeat_ttl_s: must be >= 1, got {self.heartbeat_ttl_s}")
         if self.drain_grace_s < 0:
@@ -118,6 +123,8 @@ class WorkerApp:
         self._heartbeat: Heartbeat | None = None
         self._redis = None
         self.address = ""
+        self.metrics: MetricsPort | None = None
+        self.metrics_port = -1  # -1: /metrics not served
 
     async def start(self) -> None:
         from worker_service.grpc_server import WorkerServicer, build_server
@@ -149,6 +156,9 @@ class WorkerApp:
         await self.lifecycle.start()
         self.address = s.address_for(port)
         info = self._runner.info
+        self.lifecycle.registry.register(WorkerCollector(self.servicer, info, self.address))
+        self.metrics = MetricsPort(self.lifecycle.registry, name="worker")
+        self.metrics_port = await self.metrics.start(s.host, s.metrics_port)
         if redis_client.uses_redis(s):
             record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
@@ -177,6 +187,8 @@ class WorkerApp:
             await self.lifecycle.drain(grace, self._wait_idle_then_stop)
         if self.servicer is not None:
             self.servicer.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self._redis is not None:
             await self._redis.aclose()
 

@@ -34,8 +34,9 @@ ROLES: dict[str, ModuleType] = {
     "gateway": gateway_service.main, "scheduler": scheduler_service.main, "worker": worker_service.main}
 # Variables read outside the flags: the C kernel's cache (kernels/native.py).
 NON_FLAG_VARIABLES: set[str] = set()  # PAGEDSERVE_KERNEL_CACHE is the worker's --kernel-cache now
-# Flags the HTTP-API and metrics work adds (settings.env says so); named ahead so wiring is one line.
-PENDING_FLAG_VARIABLES = {"PAGEDSERVE_HTTP_PORT", "PAGEDSERVE_METRICS_PORT"}
+# Flags named in settings.env ahead of the code that reads them (none now: http_port and
+# metrics_port are settings of the gateway and of the scheduler and worker).
+PENDING_FLAG_VARIABLES: set[str] = set()
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 
 
@@ -200,6 +201,17 @@ def test_prometheus_scrapes_a_declared_port(objects):
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert int(annotations["prometheus.io/port"]) in {p["containerPort"] for p in container["ports"]}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_services_serve_metrics_where_prometheus_scrapes(objects, role):
+    deployment, _container = _service(objects, role)
+    _args, settings, _env = _parsed(objects, role)
+    scraped = int(deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"])
+    served = settings.http_port if role == "gateway" else settings.metrics_port  # the gateway: on its HTTP API
+    assert served == scraped
+    if role == "gateway":
+        assert settings.http_host == "" and settings.host == "0.0.0.0"  # HTTP on --host: reachable in the pod
 
 
 def test_gateway_service_exposes_grpc_and_http(objects):

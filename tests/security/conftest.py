@@ -118,7 +118,7 @@ async def secure_stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server, pki
     g = pki.gateway
     gateway = GatewayApp(GatewaySettings(
         model=tiny_model_dir, port=0, redis_url=redis_server.url, key_prefix=PREFIX, read_block_ms=200,
-        drain_grace_s=2, api_keys_file=str(keys_file), tls_cert_file=g.cert_file, tls_key_file=g.key_file,
+        drain_grace_s=2, api_keys_file=str(keys_file), tls_cert_file=g.cert_file, tls_key_file=g.key_file, http_port=0,
         max_requests_per_key=MAX_REQUESTS_PER_KEY, max_buffered_outputs=MAX_BUFFERED_OUTPUTS),
         hf_tokenizer=hf_tokenizer)
     await gateway.start()

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pagedserve import wire
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import AlreadyExistsError, ResourceExhaustedError, UnauthenticatedError
-from servicekit.grpc_auth import bearer_metadata
+from servicekit.auth import bearer_metadata
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 from servicekit.tls import aio_channel
 
@@ -177,3 +177,39 @@ async def test_one_key_may_hold_at_most_its_limit_of_streams(secure_stack, pki):
                 await asyncio.sleep(0.1)
         else:
             pytest.fail("the key's slots did not come back after its streams closed")
+
+
+def _https(url: str, ca_file: str, body: dict | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of one HTTPS call that trusts ``ca_file``."""
+    import json
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=ca_file), timeout=30) as reply:
+            return reply.status, json.loads(reply.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+async def test_the_http_api_takes_the_same_keys_over_tls(secure_stack, pki):
+    """The OpenAI API's front door: HTTPS with the gateway's certificate, the same API keys."""
+    base = f"https://localhost:{secure_stack.gateway.http_port}"
+    body = {"model": secure_stack.model, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    statuses = {}
+    for name, headers in (("no key", {}), ("wrong key", {"Authorization": "Bearer nope"}),
+                          ("basic", {"Authorization": f"Basic {KEYS['alice']}"})):
+        status, reply = await asyncio.to_thread(_https, f"{base}/v1/completions", pki.ca, body, headers)
+        statuses[name] = (status, reply["error"]["type"])
+    models, _ = await asyncio.to_thread(_https, f"{base}/v1/models", pki.ca)
+    health, _ = await asyncio.to_thread(_https, f"{base}/health", pki.ca)
+    ok, reply = await asyncio.to_thread(_https, f"{base}/v1/completions", pki.ca, body,
+                                        {"Authorization": f"Bearer {KEYS['bob']}"})
+
+    print(f"HTTP without a valid key: {statuses}")
+    assert all(status == (401, "AuthenticationError") for status in statuses.values())
+    assert models == 401 and health == 200  # health stays open
+    assert ok == 200 and reply["usage"]["completion_tokens"] == 2

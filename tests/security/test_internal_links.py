@@ -16,8 +16,8 @@ from pagedserve.admin import async_scheduler_stats
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import UnauthenticatedError, UnavailableError
 from scheduler_service.worker_client import WorkerClient, WorkerLostError, connect
+from servicekit.auth import bearer_metadata
 from servicekit.contract.step import SchedulerOutput
-from servicekit.grpc_auth import bearer_metadata
 from servicekit.proto.pb import worker_pb2, worker_pb2_grpc
 from servicekit.tls import TlsFiles, aio_channel
 

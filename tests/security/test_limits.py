@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from pagedserve.aio_client import CLIENT_CHANNEL_OPTIONS, AsyncClient
-from servicekit.grpc_auth import bearer_metadata
+from servicekit.auth import bearer_metadata
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 from servicekit.tls import aio_channel
 

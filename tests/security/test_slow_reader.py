@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pagedserve import wire
-from servicekit.grpc_auth import bearer_metadata
+from servicekit.auth import bearer_metadata
 from servicekit.tls import aio_channel
 
 from .conftest import KEYS, MAX_BUFFERED_OUTPUTS

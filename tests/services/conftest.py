@@ -4,6 +4,7 @@ on one event loop over real gRPC on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -153,8 +154,46 @@ class Stack:
         return f"127.0.0.1:{self.scheduler.port}"
 
     @property
+    def http_url(self) -> str:
+        """The gateway's OpenAI-compatible API, as an ``openai`` client's ``base_url``."""
+        return f"http://127.0.0.1:{self.gateway.http_port}/v1"
+
+    @property
     def worker_address(self) -> str:
         return self.worker.address
+
+
+@contextlib.asynccontextmanager
+async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_queued: int):
+    """A gateway on key ``prefix``, where no scheduler reads, so its requests wait in Redis; a
+    registered (absent) worker of the stack's model gives it the model's limits. Yields (gateway,
+    redis, keys)."""
+    import redis.asyncio as aioredis
+
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+    from servicekit.contract.worker import WorkerDescription
+    from servicekit.redis_keys import RedisKeys
+    from servicekit.registry import Heartbeat
+
+    keys = RedisKeys(prefix)
+    redis = aioredis.from_url(stack.redis_url)
+    info = stack.worker.info  # what a worker of this model registers
+    heartbeat = Heartbeat(redis, keys, WorkerDescription(
+        worker_id="absent", address="127.0.0.1:1", model=stack.model, num_blocks=info.num_blocks,
+        block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids), ttl_s=30)
+    await heartbeat.start()
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         key_prefix=prefix, max_queued_requests=max_queued, read_block_ms=200),
+                         hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    try:
+        yield gateway, redis, keys
+    finally:
+        await gateway.drain(1)
+        await heartbeat.stop()
+        await redis.aclose()
 
 
 @pytest_asyncio.fixture(loop_scope="session", scope="session")
@@ -170,14 +209,15 @@ async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
 
     runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
                          hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_server.url,
+    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_server.url,
                                       drain_grace_s=2), runner=runner)
     await worker.start()
     scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_server.url, workers=(worker.address,), port=0,
+                                               metrics_port=0,
                                                poll_block_ms=200, drain_grace_s=2))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, redis_url=redis_server.url,
+    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_server.url,
                                          read_block_ms=200, drain_grace_s=2), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     yield Stack(worker, scheduler, gateway, redis_server.url, tiny_model_dir)

@@ -35,9 +35,10 @@ def test_compose_file_validates_against_the_compose_spec():
     check_against_compose_spec(COMPOSE)
 
 
-def test_stack_has_redis_gateway_scheduler_and_worker_all_with_healthchecks(compose):
+def test_stack_has_redis_gateway_scheduler_worker_and_prometheus_all_with_healthchecks(compose):
     services = compose["services"]
-    assert {name for name, s in services.items() if "profiles" not in s} == {"redis", "gateway", "scheduler", "worker"}
+    assert {name for name, s in services.items() if "profiles" not in s} == {"redis", "gateway", "scheduler", "worker",
+                                                                            "prometheus"}
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
 
@@ -76,6 +77,22 @@ def test_services_start_after_what_they_need_is_healthy(compose):
         depends = services[name]["depends_on"]
         assert set(depends) == needs
         assert all(d["condition"] == "service_healthy" for d in depends.values())
+
+
+def test_prometheus_scrapes_every_service_where_it_serves_metrics(compose):
+    services = compose["services"]
+    volumes = services["prometheus"]["volumes"]
+    config_file = next(v.split(":")[0] for v in volumes if v.endswith("prometheus.yml:ro"))
+    config = yaml.safe_load((REPO / config_file).read_text())
+    scraped = {job["job_name"]: (sd["names"], sd["port"]) for job in config["scrape_configs"]
+               for sd in job["dns_sd_configs"]}
+    env = services["gateway"]["environment"]
+    http_port, metrics_port = int(env["PAGEDSERVE_HTTP_PORT"]), int(env["PAGEDSERVE_METRICS_PORT"])
+    assert scraped == {"gateway": (["gateway"], http_port), "scheduler": (["scheduler"], metrics_port),
+                       "worker": (["worker"], metrics_port)}
+    for name in ("scheduler", "worker"):  # the shared environment reaches each service
+        assert services[name]["environment"]["PAGEDSERVE_METRICS_PORT"] == str(metrics_port)
+    assert f"{http_port}:{http_port}" in services["gateway"]["ports"]
 
 
 def test_dockerfile_generates_the_protobuf_code_with_the_one_command():

@@ -45,7 +45,7 @@ async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_u
                                                discovery_interval_s=0.2))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, redis_url=redis_url, key_prefix=prefix,
+    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_url, key_prefix=prefix,
                                          read_block_ms=200), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.service, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    ports = {name: free_port() for name in ("port", "scheduler-port", "worker-port", "redis-port")}
+    ports = {name: free_port() for name in ("port", "http-port", "scheduler-port", "worker-port", "redis-port")}
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with open(log, "w") as out:

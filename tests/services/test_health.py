@@ -6,15 +6,13 @@ import asyncio
 
 import grpc
 import pytest
-import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import ResourceExhaustedError, UnavailableError
-from servicekit.contract.worker import WorkerDescription
-from servicekit.redis_keys import RedisKeys
-from servicekit.registry import Heartbeat
+
+from .conftest import queue_limited_gateway
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 
@@ -55,7 +53,7 @@ async def test_draining_gateway_is_not_serving_refuses_new_calls_and_finishes_li
     from gateway_service.main import GatewayApp
     from gateway_service.settings import GatewaySettings
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, redis_url=stack.redis_url, read_block_ms=200),
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200),
                          hf_tokenizer=hf_tokenizer)
     await gateway.start()
     address = f"127.0.0.1:{gateway.port}"
@@ -74,24 +72,9 @@ async def test_draining_gateway_is_not_serving_refuses_new_calls_and_finishes_li
     assert tokens == 120 and rest[-1].finish_reason == "length"
 
 
-async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer, redis_server):
+async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer):
     """A stack prefix with no scheduler: requests wait in Redis; the third one is refused."""
-    from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
-
-    keys = RedisKeys("qlimit:")
-    redis = aioredis.from_url(redis_server.url)
-    info = stack.worker.info  # what a worker of this model registers
-    heartbeat = Heartbeat(redis, keys, WorkerDescription(
-        worker_id="absent", address="127.0.0.1:1", model=stack.model, num_blocks=info.num_blocks,
-        block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=info.eos_token_ids), ttl_s=30)
-    await heartbeat.start()
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, redis_url=redis_server.url,
-                                         key_prefix="qlimit:", max_queued_requests=2, read_block_ms=200),
-                         hf_tokenizer=hf_tokenizer)
-    await gateway.start()
-    try:
+    async with queue_limited_gateway(stack, hf_tokenizer, "qlimit:", 2) as (gateway, redis, keys):
         async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=30) as client:
             waiting = [asyncio.create_task(client.generate(f"queued {i}", max_tokens=4)) for i in range(2)]
             while await redis.xlen(keys.requests) < 2:
@@ -102,10 +85,6 @@ async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer, r
                 task.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
         assert await health(f"127.0.0.1:{gateway.port}") == SERVING
-    finally:
-        await gateway.drain(1)
-        await heartbeat.stop()
-        await redis.aclose()
 
 
 async def test_sdk_retries_unavailable_until_a_gateway_answers(stack, hf_tokenizer):
@@ -119,7 +98,7 @@ async def test_sdk_retries_unavailable_until_a_gateway_answers(stack, hf_tokeniz
         pending = asyncio.create_task(client.generate("patience", max_tokens=3, ignore_eos=True))
         await asyncio.sleep(0.5)  # the first tries find nothing listening: UNAVAILABLE
         assert not pending.done()
-        gateway = GatewayApp(GatewaySettings(model=stack.model, port=port, redis_url=stack.redis_url,
+        gateway = GatewayApp(GatewaySettings(model=stack.model, port=port, http_port=0, redis_url=stack.redis_url,
                                              read_block_ms=200), hf_tokenizer=hf_tokenizer)
         await gateway.start()
         try:

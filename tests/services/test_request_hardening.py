@@ -63,7 +63,7 @@ async def test_health_answers_while_a_large_prompt_is_tokenized(stack, hf_tokeni
 
     # A gateway whose size limit lets 2 MB through (as a 128k-token model's would), so the
     # tokenizer really works on it before the prompt is refused for its token count.
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, redis_url=stack.redis_url, read_block_ms=200,
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200,
                                          prompt_bytes_per_token=10_000), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     address = f"127.0.0.1:{gateway.port}"

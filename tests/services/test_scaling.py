@@ -47,7 +47,7 @@ async def serving(prefix: str, redis_url: str, hf_tokenizer, model: str, *, sche
         for i in range(schedulers)]
     for app in apps:
         await app.start()
-    gateway = GatewayApp(GatewaySettings(model=model, port=0, redis_url=redis_url, key_prefix=prefix,
+    gateway = GatewayApp(GatewaySettings(model=model, port=0, http_port=0, redis_url=redis_url, key_prefix=prefix,
                                          read_block_ms=200, registry_refresh_s=0.2), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:

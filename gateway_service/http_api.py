@@ -1,0 +1,290 @@
+"""The gateway's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (whole
+or as server-sent events), ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/metrics``.
+
+A thin layer like the gRPC servicer: JSON → :mod:`gateway_service.openai_params` → the one
+:meth:`GenerationService.generate` path (admission, queue limit, detokenization, stop strings, abort
+on disconnect) → :mod:`gateway_service.openai_responses` → JSON. Errors are the typed errors of
+``servicekit.contract.errors``, turned into OpenAI's error shape in one place (:func:`_error`).
+
+Why Starlette: it is the ASGI toolkit FastAPI (and so vLLM's server) is built on, without
+FastAPI's pydantic request models, whose 422 answers would be a second validation with a second
+error shape; our parameters are checked once, by the same code that checks gRPC requests, and
+every refusal is a 400 naming the field.
+
+Every request passes :func:`check_request` first: the one place its headers are looked at (the
+place where authentication goes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway_service.generation import GenerationService
+from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.openai_params import (
+    OpenAIRequest,
+    chat_max_tokens,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from gateway_service.openai_responses import ChoiceState, Responder, TokenText, error_body
+from servicekit.auth import KeyStore
+from servicekit.contract.api import ModelInfo
+from servicekit.contract.errors import CancelledError as ClientGone
+from servicekit.contract.errors import (
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PagedServeError,
+    UnavailableError,
+)
+from servicekit.serving import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt as JSON token ids is ~1 MB
+
+
+def check_request(request: Request, keys: KeyStore, *, open_route: bool = False) -> str:
+    """The one place a request's headers are checked, before its body is read: the API key
+    (``Authorization: Bearer``; the same keys as gRPC, UnauthenticatedError -> 401) unless the
+    route is open, then a declared body over :data:`MAX_BODY_BYTES` is refused without reading it.
+    Returns the caller's key digest ("" without keys): the owner of the requests it admits."""
+    owner = "" if open_route else keys.check(request.headers.get("authorization"))
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    return owner
+
+
+def _error(exc: PagedServeError) -> JSONResponse:
+    status, body = error_body(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def _json(request: Request) -> object:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise InvalidArgumentError("body", f"not valid JSON: {exc}") from None
+
+
+async def _until_disconnect(request: Request, work: asyncio.Task):
+    """``work``'s result, or ``work`` cancelled (so its requests are aborted) if the client goes first."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientGone("the client disconnected")  # nobody reads the answer
+    return work.result()
+
+
+async def sse_events(item, queue: asyncio.Queue, num_live: int, choices: list[ChoiceState], responder: Responder,
+                     tasks: list[asyncio.Task]) -> AsyncIterator[bytes]:
+    """The SSE stream of a call whose first queue item is ``item``, ``num_live`` choices still
+    streaming (``OpenAIHttpApi._pump`` fills ``queue``; ``tasks`` are the pumps): one event per
+    chunk of any choice, then the usage chunk (if asked), then ``[DONE]``. An error after the first
+    event is an error event before ``[DONE]``. Starlette cancels this when the client disconnects;
+    ``finally`` then cancels the pumps, which aborts their requests."""
+    try:
+        while True:
+            index, payload = item
+            if isinstance(payload, PagedServeError):
+                yield _sse(error_body(payload)[1])
+                break
+            if payload is None:
+                num_live -= 1
+                if num_live == 0:
+                    if responder.req.include_usage:
+                        yield _sse(responder.usage_chunk(choices))
+                    break
+            else:
+                event = _delta(choices[index], payload, responder)
+                if event is not None:
+                    yield _sse(event)
+            item = await queue.get()
+        yield _sse("[DONE]")
+    finally:
+        await cancel_and_wait(tasks)
+
+
+def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
+    offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
+    text, logprobs, _ids = choice.add(chunk, responder.req.include_stop_str)
+    if not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs):
+        return None  # token ids that end mid-character: their text comes with the next chunk
+    return responder.delta(choice, text, logprobs, offset)
+
+
+class OpenAIHttpApi:
+    """The routes, over one :class:`GenerationService`; ``registry`` is what ``/metrics`` shows."""
+
+    def __init__(self, service: GenerationService, registry: CollectorRegistry, *, keys: KeyStore | None = None,
+                 guard_metrics: bool = False) -> None:
+        self._service = service
+        self._registry = registry
+        self._keys = keys if keys is not None else KeyStore()
+        self._token_text = TokenText(service.tokenizer.hf)
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self._endpoint(self._completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._endpoint(self._chat), methods=["POST"]),
+            Route("/v1/models", self._endpoint(self._models), methods=["GET"]),
+            Route("/tokenize", self._endpoint(self._tokenize), methods=["POST"]),
+            Route("/detokenize", self._endpoint(self._detokenize), methods=["POST"]),
+            Route("/health", self._endpoint(self._health, open_route=True), methods=["GET"]),
+            Route("/metrics", self._endpoint(self._metrics, open_route=not guard_metrics), methods=["GET"]),
+        ])
+
+    def _endpoint(self, handler, *, open_route: bool = False):
+        async def endpoint(request: Request) -> Response:
+            try:
+                request.state.owner = check_request(request, self._keys, open_route=open_route)
+                return await handler(request)
+            except PagedServeError as exc:
+                return _error(exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("unexpected error in %s", request.url.path)
+                return _error(InternalError(f"internal error: {type(exc).__name__}"))
+        return endpoint
+
+    async def _served(self, model: str) -> ModelInfo:
+        """The served model's limits; another name is a 404 (OpenAI's ``model_not_found``)."""
+        if model and model != self._service.model:
+            raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self._service.model!r}")
+        return await self._service.served_limits("")
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion(await _json(request)), chat=False)
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat(await _json(request)), chat=True)
+
+    async def _generate(self, request: Request, req: OpenAIRequest, *, chat: bool) -> Response:
+        limits = await self._served(req.model)
+        inputs = req.choice_inputs()
+        if req.fill_max_tokens:  # tokenize once, and give the reply the room the prompt leaves
+            ids = await self._service.tokenize(None, inputs[0].messages, limits)
+            inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
+        prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
+        call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)
+        responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text)
+        choices = [ChoiceState(i, prefix=prefixes[i]) for i in range(len(inputs))]
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner)) for i, inp in enumerate(inputs)]
+        try:
+            # Whole or streamed, the first item decides the status: an input refused at admission
+            # (400, 429, 503) is an HTTP error, not an event in a 200 stream.
+            first = await _until_disconnect(request, asyncio.create_task(queue.get()))
+            if isinstance(first[1], PagedServeError):
+                return _error(first[1])
+            if req.stream:
+                events = sse_events(first, queue, len(tasks), choices, responder, tasks)
+                tasks = []  # the stream owns them now
+                return StreamingResponse(events, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            work = asyncio.create_task(self._collect(first, queue, len(tasks), choices, req.include_stop_str))
+            error = await _until_disconnect(request, work)
+            return _error(error) if error is not None else JSONResponse(responder.whole(choices))
+        finally:
+            await cancel_and_wait(tasks)
+
+    async def _echo_text(self, inp: GenerateInput) -> str:
+        if inp.prompt is not None:
+            return inp.prompt
+        return await asyncio.to_thread(self._service.tokenizer.hf.decode, inp.prompt_token_ids)
+
+    async def _pump(self, index: int, inp: GenerateInput, queue: asyncio.Queue, owner: str) -> None:
+        """Choice ``index``'s chunks into ``queue`` as ``(index, chunk)``, then ``(index, None)``,
+        or ``(index, error)``. Cancelled, it closes ``generate``, which aborts the request."""
+        try:
+            async with aclosing(self._service.generate(inp, owner=owner)) as chunks:
+                async for chunk in chunks:
+                    queue.put_nowait((index, chunk))
+        except PagedServeError as exc:
+            queue.put_nowait((index, exc))
+            return
+        except Exception as exc:
+            log.exception("unexpected error generating choice %d", index)
+            queue.put_nowait((index, InternalError(f"internal error: {type(exc).__name__}")))
+            return
+        queue.put_nowait((index, None))
+
+    @staticmethod
+    async def _collect(item, queue: asyncio.Queue, num_live: int, choices: list[ChoiceState],
+                       include_stop_str: bool) -> PagedServeError | None:
+        """Take every choice's chunks; the first error ends the call (returned)."""
+        while True:
+            index, payload = item
+            if isinstance(payload, PagedServeError):
+                return payload
+            if payload is None:
+                num_live -= 1
+                if num_live == 0:
+                    return None
+            else:
+                choices[index].add(payload, include_stop_str)
+            item = await queue.get()
+
+    # -- the rest -------------------------------------------------------------------------------------
+
+    async def _models(self, request: Request) -> Response:
+        card = {"id": self._service.model, "object": "model", "created": 0, "owned_by": "pagedserve",
+                "root": self._service.model, "parent": None}
+        try:
+            card["max_model_len"] = (await self._service.served_limits("")).max_model_len
+        except UnavailableError:
+            pass  # no worker yet: the model is still the one served
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def _tokenize(self, request: Request) -> Response:
+        model, text, messages, _special = parse_tokenize(await _json(request))
+        limits = await self._served(model)
+        ids = await self._service.tokenize(text, messages, limits, text_field="prompt")
+        return JSONResponse({"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids})
+
+    async def _detokenize(self, request: Request) -> Response:
+        model, ids = parse_detokenize(await _json(request))
+        limits = await self._served(model)
+        if any(t >= limits.vocab_size for t in ids):
+            raise InvalidArgumentError("tokens", f"token ids must be < vocab_size ({limits.vocab_size})")
+        text = await asyncio.to_thread(self._service.tokenizer.hf.decode, ids)
+        return JSONResponse({"prompt": text})
+
+    async def _health(self, request: Request) -> Response:
+        if self._service.draining:
+            raise UnavailableError("the gateway is draining")
+        return Response(status_code=200)
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)

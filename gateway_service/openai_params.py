@@ -1,0 +1,288 @@
+"""OpenAI request bodies → the gateway's own request objects, checked field by field.
+
+Every key of a body is either mapped onto :class:`~gateway_service.messages.GenerateInput` /
+:class:`~servicekit.contract.sampling_params.SamplingParams` or refused with an
+:class:`InvalidArgumentError` naming it: a parameter we would otherwise ignore (``tools``,
+``logit_bias``, ``suffix``) changes what the caller expects back, so it is a 400, never silently
+dropped. ``null`` means "not given", as in OpenAI's API. Range checks stay where they live
+(``SamplingParams.__post_init__``, the gateway's prompt checks): this module only checks types and
+shapes, and renames (``max_completion_tokens`` → ``max_tokens``, ``skip_special_tokens`` →
+``include_special_tokens``).
+
+Pure: no I/O, no Starlette, so the rules are tested without a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gateway_service.messages import GenerateInput
+from servicekit.contract.chat import check_chat_message
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
+MAX_N = 16  # choices per request: each is one admitted request
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to what the model has room for
+
+# Keys accepted but without effect on generation, with the reason.
+_INERT = {
+    "user": "an end-user id for the caller's records",
+    "stream": "read by the HTTP layer",
+}
+# Keys accepted only with the value that means "off", with that value.
+_OFF_ONLY: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (False,), "response_format": ({"type": "text"},),
+    "best_of": (1,), "prompt_logprobs": (0,), "guided_json": (), "structured_outputs": (),
+}
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "min_tokens", "ignore_eos", "seed")
+_COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user",
+                "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
+                *_SAMPLING_KEYS, *_OFF_ONLY}
+COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
+CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One completions or chat call: the inputs of its requests (one per prompt), and how to answer.
+
+    Invariant: ``inputs`` is non-empty; choice ``i * n + j`` is sample ``j`` of ``inputs[i]``."""
+
+    inputs: tuple[GenerateInput, ...]
+    model: str
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: one last chunk with usage, no choices
+    include_stop_str: bool = False  # include_stop_str_in_output
+    echo: bool = False  # completions: the prompt's text before the completion
+    logprobs: bool = False  # report logprobs (their count is in the sampling params)
+    fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (see chat_max_tokens)
+
+    def choice_inputs(self) -> list[GenerateInput]:
+        """One input per choice. With a seed, sample ``j`` uses ``seed + j`` so the ``n`` samples
+        differ yet the whole call reproduces; request ids get ``-j`` so they stay unique."""
+        out = []
+        for inp in self.inputs:
+            for j in range(self.n):
+                params = inp.sampling_params
+                if params.seed is not None and j:
+                    params = params.with_seed((params.seed + j) % SEED_RANGE)
+                rid = f"{inp.request_id}-{j}" if inp.request_id and self.n > 1 else inp.request_id
+                out.append(replace(inp, sampling_params=params, request_id=rid))
+        return out
+
+
+def _get(body: dict, key: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise InvalidArgumentError(key, f"must be {_kind_name(kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise InvalidArgumentError(key, f"must be {_kind_name(kinds)}, got {type(value).__name__}")
+    if kinds is int and key != "seed" and not INT32_MIN <= value <= INT32_MAX:  # seed: SamplingParams checks it
+        raise InvalidArgumentError(key, f"out of range: {value}")
+    return value
+
+
+def _kind_name(kinds: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "a list",
+             dict: "an object"}
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
+
+
+def check_keys(body: Any, allowed: frozenset[str]) -> dict:
+    """``body`` as a dict whose keys are all ``allowed`` and whose off-only keys are off."""
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("body", "must be a JSON object")
+    for key, value in body.items():
+        if key not in allowed:
+            raise InvalidArgumentError(key, "is not a supported parameter")
+        if key in _OFF_ONLY and value is not None and value not in _OFF_ONLY[key]:
+            raise InvalidArgumentError(key, "is not supported" + (
+                f" (only {_OFF_ONLY[key][0]!r})" if _OFF_ONLY[key] else ""))
+    return body
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    raise InvalidArgumentError("stop", "must be a string or a list of strings")
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` is a list of token ids (non-negative integers that fit a record)."""
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in value)
+
+
+def _int_list(body: dict, key: str) -> tuple[int, ...]:
+    value = _get(body, key, list, [])
+    if not _token_ids(value):
+        raise InvalidArgumentError(key, "must be a list of token ids (integers >= 0)")
+    return tuple(value)
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    number = (int, float)
+    kwargs = {key: _get(body, key, number) for key in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                                        "presence_penalty", "frequency_penalty")}
+    kwargs.update(top_k=_get(body, "top_k", int), min_tokens=_get(body, "min_tokens", int),
+                  ignore_eos=_get(body, "ignore_eos", bool), seed=_get(body, "seed", int))
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if kwargs.get("top_k") == 0:  # vLLM and HF treat 0 as "off", like -1
+        kwargs["top_k"] = -1
+    return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
+                          logprobs=logprobs, **kwargs)
+
+
+def _common(body: dict) -> dict[str, Any]:
+    """The GenerateInput fields every endpoint shares (prompt and sampling params aside)."""
+    return dict(model=_get(body, "model", str, ""), request_id=_get(body, "request_id", str, ""),
+                priority=_get(body, "priority", int, 0), cache_salt=_get(body, "cache_salt", str, ""),
+                include_special_tokens=not _get(body, "skip_special_tokens", bool, True))
+
+
+def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: bool = False) -> OpenAIRequest:
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise InvalidArgumentError("n", f"must be in [1, {MAX_N}], got {n}")
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    if options and not stream:
+        raise InvalidArgumentError("stream_options", "only allowed with stream: true")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise InvalidArgumentError(f"stream_options.{key}", "is not a supported option")
+    if options.get("continuous_usage_stats"):
+        raise InvalidArgumentError("stream_options.continuous_usage_stats", "is not supported")
+    include_usage = options.get("include_usage") or False
+    if not isinstance(include_usage, bool):
+        raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
+    return OpenAIRequest(tuple(inputs), model=_get(body, "model", str, ""), n=n, stream=stream,
+                         include_usage=include_usage,
+                         include_stop_str=_get(body, "include_stop_str_in_output", bool, False),
+                         echo=echo, logprobs=logprobs)
+
+
+def parse_completion(body: Any) -> OpenAIRequest:
+    """A ``POST /v1/completions`` body. ``prompt``: a string, a list of strings, a list of token ids
+    or a list of such lists (one request per prompt)."""
+    body = check_keys(body, COMPLETION_KEYS)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidArgumentError("prompt", "required")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and _token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise InvalidArgumentError("prompt", "must be a string, a list of strings, a list of token ids or a "
+                                             "list of lists of token ids (non-empty)")
+    logprobs = _get(body, "logprobs", int)
+    echo = _get(body, "echo", bool, False)
+    if echo and logprobs is not None:
+        raise InvalidArgumentError("echo", "echo with logprobs (prompt logprobs) is not supported")
+    params = _sampling(body, _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs)
+    common = _common(body)
+    if len(prompts) > 1 and common["request_id"]:
+        common["request_id"] = ""  # several prompts: ids are assigned (one id cannot name them all)
+    inputs = [GenerateInput(params, prompt=p, **common) if isinstance(p, str)
+              else GenerateInput(params, prompt_token_ids=list(p), **common) for p in prompts]
+    return _request(body, inputs, logprobs=logprobs is not None, echo=echo)
+
+
+def _content(index: int, content: Any) -> Any:
+    """A message's content: a string, or a list of text parts (joined), as OpenAI's clients send."""
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgumentError(f"messages[{index}].content[{k}]", "only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    return content
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    """``messages`` as the gateway's chat turns (role and text content only)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgumentError("messages", "required: a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidArgumentError(f"messages[{i}]", "must be an object")
+        for key in message:
+            if key not in ("role", "content", "name"):
+                raise InvalidArgumentError(f"messages[{i}].{key}", "is not supported")
+        content = _content(i, message.get("content"))
+        check_chat_message(i, message.get("role"), content)
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def parse_chat(body: Any) -> OpenAIRequest:
+    """A ``POST /v1/chat/completions`` body. Without ``max_tokens`` / ``max_completion_tokens`` a
+    chat reply may fill what the model has room for, as in vLLM (``fill_max_tokens``: the caller
+    sets it with :func:`chat_max_tokens` once the prompt is tokenized)."""
+    body = check_keys(body, CHAT_KEYS)
+    messages = parse_messages(body.get("messages"))
+    logprobs = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int)
+    if top is not None and not logprobs:
+        raise InvalidArgumentError("top_logprobs", "requires logprobs: true")
+    max_tokens = _get(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int)
+    placeholder = max(1, _get(body, "min_tokens", int, 0))  # replaced by chat_max_tokens
+    params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
+                       (top or 0) if logprobs else None)
+    inp = GenerateInput(params, messages=messages, **_common(body))
+    return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None)
+
+
+def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_len: int) -> GenerateInput:
+    """A chat request given no max_tokens, as tokens, with what the model has room for after its
+    prompt (at least 1: a prompt that fills the model is refused by the gateway's own check)."""
+    room = max(1, max_model_len - len(prompt_token_ids))
+    params = replace(inp.sampling_params, max_tokens=room)  # min_tokens over it: refused, naming min_tokens
+    return replace(inp, messages=None, prompt_token_ids=prompt_token_ids, sampling_params=params)
+
+
+def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, bool]:
+    """``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (vLLM's shape), plus
+    ``model`` and ``add_special_tokens`` (only true: our tokenizer adds what the model expects)."""
+    body = check_keys(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
+                                       "add_generation_prompt"}))
+    model = _get(body, "model", str, "")
+    if _get(body, "add_special_tokens", bool, True) is not True:
+        raise InvalidArgumentError("add_special_tokens", "only true is supported")
+    if _get(body, "add_generation_prompt", bool, True) is not True:
+        raise InvalidArgumentError("add_generation_prompt", "only true is supported")
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise InvalidArgumentError("prompt", "exactly one of prompt and messages is required")
+    if body.get("messages") is not None:
+        return model, None, parse_messages(body["messages"]), True
+    return model, _get(body, "prompt", str), None, True
+
+
+def parse_detokenize(body: Any) -> tuple[str, list[int]]:
+    """``POST /detokenize``: ``{"tokens": [ids]}`` (vLLM's shape)."""
+    body = check_keys(body, frozenset({"model", "tokens"}))
+    if body.get("tokens") is None:
+        raise InvalidArgumentError("tokens", "required: a list of token ids")
+    return _get(body, "model", str, ""), list(_int_list(body, "tokens"))

@@ -1,0 +1,184 @@
+"""The gateway's generation chunks → OpenAI response objects (completions and chat, whole and
+streamed), usage and logprobs, and OpenAI's error shape.
+
+One :class:`ChoiceState` per choice accumulates what a non-streamed answer needs and shapes each
+streamed delta, so the streamed text and the whole text are built by the same code and a stream's
+deltas concatenate to exactly the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway_service.messages import GenerateChunk
+from gateway_service.openai_params import OpenAIRequest
+from servicekit.contract.api import Usage
+from servicekit.contract.errors import PagedServeError
+from servicekit.contract.step import TokenLogprobs
+
+# Typed error code (gRPC status name) → (HTTP status, OpenAI error type).
+HTTP_STATUS: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (400, "BadRequestError"),
+    "NOT_FOUND": (404, "NotFoundError"),
+    "ALREADY_EXISTS": (409, "ConflictError"),
+    "RESOURCE_EXHAUSTED": (429, "RateLimitError"),
+    "UNAUTHENTICATED": (401, "AuthenticationError"),
+    "UNAVAILABLE": (503, "ServiceUnavailableError"),
+    "DEADLINE_EXCEEDED": (504, "TimeoutError"),
+    "CANCELLED": (499, "CancelledError"),
+    "FAILED_PRECONDITION": (400, "BadRequestError"),
+    "ABORTED": (500, "InternalServerError"),
+    "INTERNAL": (500, "InternalServerError"),
+}
+
+
+def error_body(exc: PagedServeError) -> tuple[int, dict]:
+    """(HTTP status, ``{"error": {message, type, param, code}}``) of a typed error."""
+    status, kind = HTTP_STATUS.get(exc.code, (500, "InternalServerError"))
+    return status, {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "field", None) or None,
+                              "code": status}}
+
+
+def usage_json(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+def total_usage(usages: list[Usage | None], n: int) -> Usage:
+    """One call's usage: completion tokens of every choice; prompt (and cached) tokens once per
+    prompt, from its first sample (the other samples repeat the same prompt)."""
+    done = [u or Usage(0, 0, 0) for u in usages]
+    firsts = done[::n]
+    return Usage(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in done),
+                 sum(u.cached_prompt_tokens for u in firsts))
+
+
+class TokenText:
+    """Token id → its text, as logprobs show it (the token decoded alone)."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self._hf = hf_tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return self._hf.decode([token_id])
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice of a call: what arrived so far. ``prefix`` (echo) is sent before anything else."""
+
+    index: int
+    prefix: str = ""
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    started: bool = False  # a streamed chat choice sends role "assistant" in its first delta
+    num_chars: int = 0  # characters of text taken so far (completions' logprobs text_offset)
+
+    def add(self, chunk: GenerateChunk, include_stop_str: bool) -> tuple[str, list[TokenLogprobs], list[int]]:
+        """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
+        text = chunk.text
+        if chunk.finish_reason is not None:
+            self.finish_reason = str(chunk.finish_reason)
+            self.usage = chunk.usage
+            if chunk.stop_string:
+                self.stop_reason = chunk.stop_string
+                if include_stop_str:
+                    text += chunk.stop_string
+        if not self.text:
+            text = self.prefix + text
+        self.text.append(text)
+        self.num_chars += len(text)
+        self.logprobs.extend(chunk.logprobs)
+        self.token_ids.extend(chunk.token_ids)
+        return text, chunk.logprobs, chunk.token_ids
+
+
+def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, offset: int) -> dict:
+    """Completions' logprobs: tokens, their logprobs, top alternatives and text offsets."""
+    tokens, offsets, pos = [], [], offset
+    for lp in logprobs:
+        piece = token_text(lp.token_id)
+        tokens.append(piece)
+        offsets.append(pos)
+        pos += len(piece)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{token_text(t): p for t, p in lp.top} for lp in logprobs], "text_offset": offsets}
+
+
+def chat_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText) -> dict:
+    """Chat's logprobs: one entry per token with its top alternatives."""
+    def entry(token_id: int, logprob: float) -> dict:
+        piece = token_text(token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+    return {"content": [dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, p) for t, p in lp.top])
+                        for lp in logprobs]}
+
+
+class Responder:
+    """Shapes one call's answers: ``chat`` picks the object kinds; ``call_id`` names the call."""
+
+    def __init__(self, req: OpenAIRequest, *, chat: bool, call_id: str, model: str, token_text: TokenText) -> None:
+        self.req = req
+        self.chat = chat
+        self.call_id = call_id
+        self.model = model
+        self.created = int(time.time())
+        self._token_text = token_text
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}
+
+    def _logprobs(self, choice: ChoiceState, logprobs: list[TokenLogprobs], offset: int) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(logprobs, self._token_text)
+        return completion_logprobs(logprobs, self._token_text, offset)
+
+    def whole(self, choices: list[ChoiceState]) -> dict:
+        """The non-streamed answer."""
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            body: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                    "logprobs": self._logprobs(c, c.logprobs, len(c.prefix))}
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            out.append(body)
+        usage = total_usage([c.usage for c in choices], self.req.n)
+        return dict(self._head("chat.completion" if self.chat else "text_completion"), choices=out,
+                    usage=usage_json(usage))
+
+    def delta(self, choice: ChoiceState, text: str, logprobs: list[TokenLogprobs], offset: int) -> dict:
+        """One streamed chunk of ``choice``: new text (+ logprobs), and its finish reason on the last."""
+        body: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(choice, logprobs, offset),
+                                "finish_reason": choice.finish_reason}
+        if choice.finish_reason is not None:
+            body["stop_reason"] = choice.stop_reason
+        if self.chat:
+            delta: dict[str, Any] = {} if choice.started and not text else {"content": text}
+            if not choice.started:
+                delta = {"role": "assistant", **delta}
+            body["delta"] = delta
+        else:
+            body["text"] = text
+        choice.started = True
+        chunk = dict(self._head("chat.completion.chunk" if self.chat else "text_completion"), choices=[body])
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, choices: list[ChoiceState]) -> dict:
+        """The last chunk of a stream with ``include_usage``: no choices, the call's usage."""
+        usage = total_usage([c.usage for c in choices], self.req.n)
+        return dict(self._head("chat.completion.chunk" if self.chat else "text_completion"), choices=[],
+                    usage=usage_json(usage))

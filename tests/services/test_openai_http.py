@@ -1,0 +1,337 @@
+"""The gateway's OpenAI-compatible HTTP API, driven by the official ``openai`` client (async, and
+sync in a thread: the stack runs on this test's event loop) against the in-process stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from pagedserve.aio_client import AsyncClient
+from servicekit.contract.sampling_params import SamplingParams
+
+from .conftest import queue_limited_gateway
+from .test_generation import scheduler_stats, wait_until_kv_free
+from .test_metrics import scrape
+
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def async_client(stack, **kwargs) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=60, **kwargs)
+
+
+def http(stack, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+    """A plain HTTP call (stdlib), for the endpoints outside OpenAI's client."""
+    url = stack.http_url.removesuffix("/v1") + path
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            status, text = reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+async def test_greedy_completion_equals_grpc_sdk_and_llm_generate(stack, llm):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    expected = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    async with async_client(stack) as client:
+        got = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=24, **GREEDY)
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        over_grpc = await sdk.generate(prompt, max_tokens=24, temperature=0, ignore_eos=True)
+
+    assert got.object == "text_completion" and got.model == stack.model
+    assert got.choices[0].text == over_grpc.text == expected.text
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert got.usage.completion_tokens == 24
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 24
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_streamed_text_equals_whole_text_with_one_finish_reason_per_choice(stack, chat):
+    async with async_client(stack) as client:
+        if chat:
+            create = client.chat.completions.create
+            kwargs = dict(messages=[{"role": "user", "content": "Tell me a story"}])
+        else:
+            create = client.completions.create
+            kwargs = dict(prompt="Once upon a time")
+        whole = await create(model=stack.model, max_tokens=20, n=2, **kwargs, **GREEDY)
+        stream = await create(model=stack.model, max_tokens=20, n=2, stream=True, **kwargs, **GREEDY)
+        texts, finishes, first_deltas = {0: "", 1: ""}, {0: [], 1: []}, {}
+        async for chunk in stream:
+            assert chunk.object == ("chat.completion.chunk" if chat else "text_completion")
+            for choice in chunk.choices:
+                piece = choice.delta.content if chat else choice.text
+                first_deltas.setdefault(choice.index, choice.delta if chat else None)
+                texts[choice.index] += piece or ""
+                if choice.finish_reason is not None:
+                    finishes[choice.index].append(choice.finish_reason)
+
+    whole_texts = {c.index: (c.message.content if chat else c.text) for c in whole.choices}
+    assert texts == whole_texts
+    assert whole_texts[0] == whole_texts[1]  # greedy: both samples alike
+    assert finishes == {0: ["length"], 1: ["length"]}
+    if chat:
+        assert all(d.role == "assistant" for d in first_deltas.values())
+        assert whole.choices[0].message.role == "assistant"
+
+
+async def test_sync_client_chat_equals_llm_chat(stack, llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    expected = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+
+    def call():
+        with openai.OpenAI(base_url=stack.http_url, api_key="unused", max_retries=0, timeout=60) as client:
+            return client.chat.completions.create(model=stack.model, messages=messages, max_completion_tokens=12,
+                                                  **GREEDY)
+    got = await asyncio.to_thread(call)
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.content == expected.text
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+async def test_n_samples_differ_and_a_seeded_call_reproduces(stack):
+    async with async_client(stack) as client:
+        async def sample():
+            return await client.completions.create(model=stack.model, prompt="Pick a word:", max_tokens=12, n=3,
+                                                   temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+        a, b = await sample(), await sample()
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # seed + j per sample: the samples differ
+    assert a.usage.completion_tokens == 36
+
+
+async def test_include_usage_sends_one_last_chunk_with_exact_counts(stack, hf_tokenizer):
+    prompt = "Counting sheep: one, two"
+    async with async_client(stack) as client:
+        stream = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=9, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY)
+        chunks = [c async for c in stream]
+    *body, last = chunks
+    assert last.choices == [] and all(c.usage is None for c in body)
+    assert last.usage.prompt_tokens == len(hf_tokenizer(prompt)["input_ids"])
+    assert last.usage.completion_tokens == 9
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 9
+
+
+async def test_a_repeated_prompt_reports_cached_tokens(stack):
+    prompt = "A long shared system prompt that fills several KV blocks of the cache. " * 4
+    async with async_client(stack) as client:
+        first = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=2, **GREEDY)
+        second = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=2, **GREEDY)
+    block = stack.worker.info.block_size
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= block and cached % block == 0 and cached < second.usage.prompt_tokens
+
+
+async def test_logprobs_are_present_and_bounded(stack):
+    async with async_client(stack) as client:
+        completion = await client.completions.create(model=stack.model, prompt="Hello", max_tokens=5, logprobs=3,
+                                                     **GREEDY)
+        chat = await client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=5, logprobs=True, top_logprobs=2, **GREEDY)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(p <= 0 for p in lp.token_logprobs)
+    assert all(1 <= len(top) <= 3 and all(p <= 0 for p in top.values()) for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == completion.choices[0].text
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the best one
+
+
+async def test_stop_strings_are_never_shown(stack, llm):
+    prompt = "Counting: one two three"
+    reference = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    stop = reference[10:13]
+    async with async_client(stack) as client:
+        whole = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=30, stop=[stop],
+                                                **GREEDY)
+        stream = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=30, stop=stop,
+                                                 stream=True, **GREEDY)
+        pieces = [c.choices[0].text async for c in stream if c.choices]
+        kept = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=30, stop=[stop],
+                                               temperature=0,
+                                               extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    cut = reference.index(stop)
+    assert whole.choices[0].text == "".join(pieces) == reference[:cut]
+    assert whole.choices[0].finish_reason == "stop"
+    assert all(stop not in p for p in pieces)
+    assert kept.choices[0].text == reference[:cut] + stop
+
+
+BAD_INPUTS = [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=100_000), "max_tokens"),
+    (dict(presence_penalty=3), "presence_penalty"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(logit_bias={"42": 5}), "logit_bias"),
+    (dict(suffix="tail"), "suffix"),
+    (dict(best_of=3), "best_of"),
+    (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(extra_body={"no_such_param": 1}), "no_such_param"),
+    (dict(extra_body={"min_p": 2}), "min_p"),
+    (dict(extra_body={"top_k": -5}), "top_k"),
+    (dict(extra_body={"stop_token_ids": ["x"]}), "stop_token_ids"),
+    (dict(extra_body={"min_tokens": 50}, max_tokens=4), "min_tokens"),
+    (dict(extra_body={"request_id": "bad id!"}), "request_id"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[10**9]), "prompt_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param"), BAD_INPUTS, ids=[p for _k, p in BAD_INPUTS])
+async def test_each_bad_input_is_a_400_naming_its_param_and_the_server_keeps_serving(stack, kwargs, param):
+    args = dict(model=stack.model, prompt="Hello", max_tokens=4)
+    args.update(kwargs)
+    async with async_client(stack) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(**args)
+        assert caught.value.status_code == 400
+        assert caught.value.body["param"] == param, caught.value.body
+        assert caught.value.body["type"] == "BadRequestError"
+        ok = await client.completions.create(model=stack.model, prompt="Hello", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+], ids=["empty", "role", "content", "tools", "top_logprobs-alone", "image"])
+async def test_bad_chat_input_is_a_400_naming_its_param(stack, body, param):
+    status, reply = await asyncio.to_thread(http, stack, "POST", "/v1/chat/completions",
+                                            {"model": stack.model, "max_tokens": 2, **body})
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+async def test_unknown_model_is_a_404_and_bad_json_a_400(stack):
+    async with async_client(stack) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="no-such-model", prompt="Hello", max_tokens=2)
+    request = urllib.request.Request(stack.http_url + "/completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
+    assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "body"
+
+
+async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
+    async with async_client(stack) as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == [stack.model]
+    assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
+    status, tokens = await asyncio.to_thread(http, stack, "POST", "/tokenize", {"prompt": "Hello world"})
+    assert status == 200 and tokens["tokens"] == hf_tokenizer("Hello world")["input_ids"]
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == stack.worker.info.max_model_len
+    status, text = await asyncio.to_thread(http, stack, "POST", "/detokenize", {"tokens": tokens["tokens"]})
+    assert status == 200 and text["prompt"] == "Hello world"
+    status, chat = await asyncio.to_thread(http, stack, "POST", "/tokenize",
+                                           {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and chat["count"] > 2
+
+
+async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(stack):
+    aborts = dict(model_name=stack.model, finished_reason="abort")
+    before = await scrape(stack.gateway.http_port)
+    async with async_client(stack) as client:
+        stream = await client.completions.create(model=stack.model, prompt="A very long story begins",
+                                                 max_tokens=400, stream=True, **GREEDY)
+        got = 0
+        async for chunk in stream:
+            got += 1
+            if got >= 3:
+                break
+        during = await scheduler_stats(stack.scheduler_address)
+        assert during.num_running >= 1
+        aborted_before = during.num_aborted
+        await stream.close()
+
+    stats = await wait_until_kv_free(stack.scheduler_address)
+    for _ in range(100):  # the scheduler counts the abort just after it frees the blocks
+        if stats.num_aborted > aborted_before:
+            break
+        await asyncio.sleep(0.02)
+        stats = await scheduler_stats(stack.scheduler_address)
+    assert stats.num_aborted == aborted_before + 1
+    assert stats.workers[0].num_free_blocks == stats.workers[0].num_total_blocks
+    after = await scrape(stack.gateway.http_port)
+    assert after.get("pagedserve:request_success_total", **aborts) == before.get(
+        "pagedserve:request_success_total", **aborts) + 1
+
+
+async def test_a_full_queue_is_a_429(stack, hf_tokenizer):
+    """A key prefix with no scheduler: requests wait in Redis; the third one is refused."""
+    async with queue_limited_gateway(stack, hf_tokenizer, "qlimit-http:", 2) as (gateway, redis, keys):
+        base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as client:
+            waiting = [asyncio.create_task(client.completions.create(model=stack.model, prompt=f"queued {i}",
+                                                                     max_tokens=4)) for i in range(2)]
+            while await redis.xlen(keys.requests) < 2:
+                await asyncio.sleep(0.01)
+            with pytest.raises(openai.RateLimitError) as caught:
+                await client.completions.create(model=stack.model, prompt="one too many", max_tokens=4)
+            assert caught.value.status_code == 429 and caught.value.body["type"] == "RateLimitError"
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        while gateway.service.in_flight:  # the disconnects reach the server and end both waiting calls
+            await asyncio.sleep(0.01)
+
+
+async def test_echo_and_cache_salt_are_applied(stack):
+    prompt = "A salted prompt long enough to fill a couple of KV-cache blocks, or so one hopes. " * 3
+    async with async_client(stack) as client:
+        echoed = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, echo=True, **GREEDY)
+        plain = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, **GREEDY)
+        salted = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, temperature=0,
+                                                 extra_body={"ignore_eos": True, "cache_salt": "tenant-b"})
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert plain.usage.prompt_tokens_details.cached_tokens > 0  # the echoed call cached the prompt
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another salt shares no prefix
+    assert salted.choices[0].text == plain.choices[0].text
+
+
+async def test_a_draining_gateway_answers_503_and_finishes_live_http_streams(stack, hf_tokenizer):
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         read_block_ms=200), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        stream = await client.completions.create(model=stack.model, prompt="Drain me slowly", max_tokens=60,
+                                                 stream=True, **GREEDY)
+        chunks = [await stream.__anext__()]
+        drain = asyncio.create_task(gateway.drain(grace_s=30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.completions.create(model=stack.model, prompt="too late", max_tokens=2)
+        assert caught.value.status_code == 503
+        chunks += [c async for c in stream]
+        await asyncio.wait_for(drain, 30)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]

@@ -1,0 +1,110 @@
+"""OpenAI request bodies → GenerateInput (no server), and the SSE stream's shape when a choice
+fails after the stream began."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway_service.http_api import sse_events
+from gateway_service.messages import GenerateChunk
+from gateway_service.openai_params import chat_max_tokens, parse_chat, parse_completion
+from gateway_service.openai_responses import ChoiceState, Responder, TokenText
+from servicekit.contract.api import Usage
+from servicekit.contract.errors import InvalidArgumentError, UnavailableError
+from servicekit.contract.step import FinishReason
+
+
+def test_openai_and_vllm_parameters_map_onto_sampling_params():
+    req = parse_completion({
+        "model": "m", "prompt": "Hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "x",
+        "presence_penalty": 0.1, "frequency_penalty": 0.2, "logprobs": 2, "user": "u", "top_k": 5, "min_p": 0.1,
+        "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [7],
+        "skip_special_tokens": False, "priority": 4, "cache_salt": "s", "request_id": "r1", "logit_bias": {},
+        "include_stop_str_in_output": True, "n": 1, "best_of": 1})
+    (inp,) = req.inputs
+    p = inp.sampling_params
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop, p.logprobs) == (7, 0.5, 0.9, 3, ("x",), 2)
+    assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p) == (0.1, 0.2, 5, 0.1)
+    assert (p.repetition_penalty, p.min_tokens, p.ignore_eos, p.stop_token_ids) == (1.1, 2, True, (7,))
+    assert (inp.prompt, inp.model, inp.priority, inp.cache_salt, inp.request_id) == ("Hi", "m", 4, "s", "r1")
+    assert inp.include_special_tokens and req.include_stop_str and req.logprobs
+
+
+def test_n_samples_get_successive_seeds_and_ids_and_prompts_fan_out():
+    req = parse_completion({"prompt": ["a", [1, 2]], "n": 2, "seed": 10})
+    inputs = req.choice_inputs()
+    assert [i.sampling_params.seed for i in inputs] == [10, 11, 10, 11]
+    assert [i.prompt for i in inputs] == ["a", "a", None, None]
+    assert inputs[2].prompt_token_ids == [1, 2]
+    named = parse_completion({"prompt": "a", "n": 2, "request_id": "r"}).choice_inputs()
+    assert [i.request_id for i in named] == ["r-0", "r-1"]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"prompt": "a", "bogus": 1}, "bogus"),
+    ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "a", "top_k": 2**40}, "top_k"),
+    ({"prompt": "a", "priority": 2**31}, "priority"),
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": [[1], "a", 3]}, "prompt"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
+    ({"prompt": "a", "n": 17}, "n"),
+    ({"prompt": "a", "stop": [1]}, "stop"),
+    ({}, "prompt"),
+    ([], "body"),
+])
+def test_bad_completion_bodies_name_their_field(body, field):
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_completion(body)
+    assert caught.value.field == field
+
+
+def test_chat_without_max_tokens_gets_the_room_its_prompt_leaves():
+    req = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "min_tokens": 3})
+    assert req.fill_max_tokens and req.inputs[0].messages == [{"role": "user", "content": "Hi"}]
+    filled = chat_max_tokens(req.inputs[0], [1, 2, 3, 4], max_model_len=10)
+    assert filled.prompt_token_ids == [1, 2, 3, 4] and filled.messages is None
+    assert filled.sampling_params.max_tokens == 6 and filled.sampling_params.min_tokens == 3
+    given = parse_chat({"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4, "max_tokens": 9})
+    assert not given.fill_max_tokens and given.inputs[0].sampling_params.max_tokens == 4
+
+
+def test_chat_refuses_what_it_would_otherwise_ignore():
+    for body, field in [({"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}, "messages[0].tool_calls"),
+                        ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, "tools"),
+                        ({"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json"}},
+                         "response_format")]:
+        with pytest.raises(InvalidArgumentError) as caught:
+            parse_chat(body)
+        assert caught.value.field == field
+
+
+async def test_an_error_after_the_stream_began_is_an_error_event_then_done(hf_tokenizer):
+    req = parse_chat({"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 4, "stream": True,
+                      "stream_options": {"include_usage": True}})
+    responder = Responder(req, chat=True, call_id="chatcmpl-1", model="m", token_text=TokenText(hf_tokenizer))
+    choices = [ChoiceState(0), ChoiceState(1)]
+    queue: asyncio.Queue = asyncio.Queue()
+    queue.put_nowait((1, GenerateChunk("r1", text=" there", token_ids=[2], finish_reason=FinishReason.LENGTH,
+                                       usage=Usage(3, 2, 0))))
+    queue.put_nowait((1, None))
+    queue.put_nowait((0, UnavailableError("Redis is unreachable")))
+    first = (0, GenerateChunk("r0", text="Hello", token_ids=[1]))
+
+    events = [e async for e in sse_events(first, queue, 2, choices, responder, [])]
+    assert all(e.startswith(b"data: ") and e.endswith(b"\n\n") for e in events)
+    *chunks, error, done = [e[len(b"data: "):-2] for e in events]
+    assert done == b"[DONE]"
+    assert json.loads(error)["error"] == {"message": "Redis is unreachable", "type": "ServiceUnavailableError",
+                                          "param": None, "code": 503}
+    parsed = [json.loads(c) for c in chunks]
+    assert [c["object"] for c in parsed] == ["chat.completion.chunk"] * 2
+    assert parsed[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hello"}
+    assert parsed[1]["choices"][0]["finish_reason"] == "length" and parsed[1]["usage"] is None
