@@ -195,3 +195,18 @@ def test_scratch_works_in_and_out_of_inference_mode(paged_batch, torch_decode):
     outside = cpu.cpu_paged_attention(*batch.args())
     torch.testing.assert_close(inside, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outside, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_loading_the_kernel_leaves_the_process_floating_point_state_alone():
+    """A -ffast-math shared object would turn on flush-to-zero for every thread of the process that
+    loads it (torch's numerics, hypothesis' subnormal floats)."""
+    import subprocess
+    import sys
+
+    code = ("from kernels import native; assert native.load('paged_decode_attention') is not None; "
+            "print(5e-324 * 1.0 != 0.0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True"
