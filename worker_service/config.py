@@ -41,7 +41,7 @@ class ModelRunnerConfig:
     """
 
     model: str  # short name, HF folder, or .gguf path (pagedserve.model_registry)
-    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's half type (else bfloat16) on CUDA
+    dtype: str = "auto"  # a name of DTYPES; "auto": worker_service.loader.choose_dtype decides
     device: str | None = None  # None = cuda when available, else cpu
     block_size: int = 16
     max_num_seqs: int = 128  # rows of the persistent batch

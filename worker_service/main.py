@@ -22,6 +22,7 @@ from pagedserve.redis_keys import RedisKeys
 from pagedserve.registry import Heartbeat, WorkerRecord
 from pagedserve.serving import service_main
 from worker_service.config import ATTENTION_BACKENDS, DTYPES, ModelRunnerConfig
+from worker_service.loader import describe_auto_dtype
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -159,7 +160,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
              help="registry entry lifetime in seconds; refreshed every third of it")
     add_common_flags(parser, env, redis_required=False)
     add_flag(parser, env, "dtype", default="auto", choices=list(DTYPES),
-             help="weights / KV dtype (auto: float32 on CPU, the checkpoint's half type on CUDA)")
+             help=f"weights, activations and KV-cache dtype; {describe_auto_dtype()}")
     add_flag(parser, env, "device", default="", help="torch device (default: cuda if available, else cpu)")
     add_flag(parser, env, "block-size", type=int, default=16, help="tokens per KV-cache block")
     add_flag(parser, env, "max-num-seqs", type=int, default=128, help="rows of the persistent batch")
