@@ -121,31 +121,26 @@ static inline __attribute__((always_inline)) void decode_impl(
     c_stride_block, c_stride_tok, c_stride_head, block_tables, bt_stride, seq_lens, out, \
     o_stride_tok, o_stride_head, num_seqs, num_heads, num_kv_heads, block_size, scale, num_threads, HD, BF16)
 
-/* Limits (checked by the caller, kernels/cpu.py): num_heads % num_kv_heads == 0, group <= 16,
- * head_dim <= 256, block_size <= 128, every seq_len >= 1. Strides in elements. */
-void paged_decode_attention_f32(
-    const float *query, int64_t q_stride_tok, int64_t q_stride_head,
-    const float *key_cache, const float *value_cache,
-    int64_t c_stride_block, int64_t c_stride_tok, int64_t c_stride_head,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-    float *out, int64_t o_stride_tok, int64_t o_stride_head,
-    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-    int num_threads)
-{
-    DISPATCH(0);
+/* The exported entry points: `_f32` takes fp32 query, caches and output; `_bf16` bf16 ones (raw bf16
+ * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, kernels/cpu.py):
+ * num_heads % num_kv_heads == 0, group <= 16, head_dim <= 256, block_size <= 128, every
+ * seq_len >= 1. Strides are in elements. */
+#define ENTRY_POINT(NAME, T, BF16) \
+void NAME( \
+    const T *query, int64_t q_stride_tok, int64_t q_stride_head, \
+    const T *key_cache, const T *value_cache, \
+    int64_t c_stride_block, int64_t c_stride_tok, int64_t c_stride_head, \
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, \
+    T *out, int64_t o_stride_tok, int64_t o_stride_head, \
+    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, \
+    int num_threads) \
+{ \
+    DISPATCH(BF16); \
 }
 
-/* The same with bf16 query, caches and output (raw bf16 bits as uint16); fp32 arithmetic inside. */
-void paged_decode_attention_bf16(
-    const bf16_t *query, int64_t q_stride_tok, int64_t q_stride_head,
-    const bf16_t *key_cache, const bf16_t *value_cache,
-    int64_t c_stride_block, int64_t c_stride_tok, int64_t c_stride_head,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-    bf16_t *out, int64_t o_stride_tok, int64_t o_stride_head,
-    int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-    int num_threads)
-{
-    DISPATCH(1);
-}
+ENTRY_POINT(paged_decode_attention_f32, float, 0)
+ENTRY_POINT(paged_decode_attention_bf16, bf16_t, 1)
+
+#undef ENTRY_POINT
 #undef DECODE
 #undef DISPATCH
