@@ -8,8 +8,10 @@ uniform in [16, 256], every request generating exactly its length) go through
   its longest request is done; only the tokens each request asked for count as useful).
 
 Both decode greedily. Model load time is excluded from the throughput figures and reported
-separately. Peak resident memory (RSS) is sampled during each phase. Results go to a JSON file and a
-PNG bar chart beside it.
+separately. Peak resident memory (RSS) is sampled during each phase. The run's compute limit (its
+FLOPs ÷ the GEMM rate measured at start in the dtype it runs, ``compute_limit.py``) and our share of it
+are printed too. Results go to a JSON file and a PNG bar chart beside it. Figures from a shared
+machine are noisy: the 1-minute load average is printed at start and stored per phase.
 
     python benchmarks/offline_throughput.py                      # the full run (a few minutes on CPU)
     python benchmarks/offline_throughput.py --num-requests 8     # a quick one
@@ -120,6 +122,8 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
         "num_blocks": info.num_blocks,
         "block_size": info.block_size,
         "attention_backend": llm.runner.attention_backend,
+        "dtype": str(llm.runner.loaded.dtype).removeprefix("torch."),
+        "dtype_reason": llm.runner.loaded.dtype_reason,
         # the runner's CPU memory placement (worker_service.cpu_memory): process-wide malloc tuning,
         # applied when the engine starts, i.e. after the transformers phase of this script
         "malloc_tuned": cpu_memory.tune_malloc() if llm.runner.device.type == "cpu" else False,
@@ -215,7 +219,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
-    dtype = resolve_dtype(args.dtype, hf_config, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    print(f"load average at start {os.getloadavg()} on {os.cpu_count()} CPUs: figures are noisy when it exceeds them")
+    gemm = None
+    if device.type == "cpu":  # the compute limit's denominator, measured before anything else runs
+        from compute_limit import gemm_rate
+
+        from worker_service.models import model_class_for
+
+        model_cfg = model_class_for(hf_config).config_from_hf(hf_config)
+        gemm = gemm_rate(model_cfg, dtype)
     requests = make_requests(args.num_requests, args.seed, hf_config.vocab_size, tuple(args.prompt_len),
                              tuple(args.output_len))
     print(f"{len(requests)} requests: {sum(len(r.prompt_token_ids) for r in requests)} prompt tokens, "
@@ -258,8 +272,17 @@ def main(argv: list[str] | None = None) -> dict:
         del hf_model
         gc.collect()
     result["pagedserve"] = run_pagedserve(args.model, requests, args)
-    print(f"pagedserve: {result['pagedserve']['output_tokens_per_s']} output tok/s "
-          f"({result['pagedserve']['generate_s']} s, peak RSS {result['pagedserve']['peak_rss_bytes'] / 2**30:.2f} GiB)")
+    print(f"pagedserve ({result['pagedserve']['dtype']}: {result['pagedserve']['dtype_reason']}): "
+          f"{result['pagedserve']['output_tokens_per_s']} output tok/s "
+          f"({result['pagedserve']['generate_s']} s, peak RSS {result['pagedserve']['peak_rss_bytes'] / 2**30:.2f} GiB, "
+          f"{result['pagedserve']['num_blocks']} KV blocks, load average {result['pagedserve']['load_average_before_after']})")
+    if gemm is not None:
+        from compute_limit import compute_limit, describe
+
+        result["pagedserve"]["compute_limit"] = compute_limit(
+            model_cfg, [(len(r.prompt_token_ids), r.output_len) for r in requests], gemm,
+            result["pagedserve"]["output_tokens_per_s"])
+        print(describe(result["pagedserve"]["compute_limit"], result["dtype"]))
     if "hf_static" in result:
         result["speedup"] = round(result["pagedserve"]["output_tokens_per_s"] / result["hf_static"]["output_tokens_per_s"], 2)
         print(f"speedup: {result['speedup']}x")

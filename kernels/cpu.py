@@ -6,12 +6,15 @@ vectorised and careful with memory, because a worker without a GPU serves throug
 * cache writes are one ``index_copy_`` per cache (head-major storage, see ``worker_service.kv_cache``);
 * decode rows — memory-bound passes over the whole cached context — run in C
   (``csrc/paged_decode_attention.c``, built by :mod:`kernels.native`), which reads every K/V row
-  once straight from the paged cache for all query heads of a KV head. Where the C kernel is absent
-  (no compiler) or does not apply (16-bit caches, GQA group > 16, head_dim > 256, block_size > 128),
-  decode rows are batched in torch: sequences of similar length grouped, K/V gathered into reused
-  per-thread scratch buffers, one SDPA call per group;
+  once straight from the paged cache for all query heads of a KV head: fp32 caches, and bf16 ones
+  (widened to fp32 in registers, fp32 softmax and accumulators) on CPUs with native bf16 (see
+  :func:`native_bf16`). Where the C kernel is absent (no compiler) or does not apply (bf16 without
+  native bf16, fp16, GQA group > 16, head_dim > 256, block_size > 128), decode rows are batched in
+  torch: sequences of similar length grouped, K/V gathered into reused per-thread scratch buffers,
+  one fp32 SDPA call per group;
 * prefill chunks gather one sequence's K/V into scratch and run SDPA (causal, ``is_causal`` when
-  the chunk has no cached context), where SDPA's tiled matmuls are the fast part.
+  the chunk has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32), where
+  SDPA's tiled matmuls are the fast part.
 
 :func:`available` tells whether the C kernel is there.
 """
@@ -32,11 +35,30 @@ _KERNEL = "paged_decode_attention"
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK_SIZE = 16, 256, 128
 
 
-def _function() -> ctypes._CFuncPtr | None:
+# CPU flags whose bf16 arithmetic makes a bf16 model faster than fp32 (vLLM's CPU backend checks the
+# same two): AMX tiles (Intel Sapphire Rapids and later), AVX512-BF16 (Cooper Lake, AMD Zen 4 and later).
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def native_bf16() -> str | None:
+    """The flag of :data:`BF16_CPU_FLAGS` this CPU has (the first listed), or None.
+
+    The one test for "this CPU computes in bf16 natively": ``--dtype auto`` picks bf16 on the CPU
+    exactly when it holds, and only then does the C kernel serve bf16 caches (elsewhere bf16 is not
+    picked automatically, and a forced bf16 decodes through the torch path).
+    """
+    flags = native.cpu_flags()
+    return next((flag for flag in BF16_CPU_FLAGS if flag in flags), None)
+
+
+_ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+
+
+def _function(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
     library = native.load(_KERNEL)
-    if library is None:
+    if library is None or dtype not in _ENTRY_POINTS:
         return None
-    fn = library.paged_decode_attention_f32
+    fn = getattr(library, _ENTRY_POINTS[dtype])
     if fn.argtypes is None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, i64, p, p, i64, i64,
@@ -54,7 +76,8 @@ def _supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     return (
         query.device.type == "cpu"
-        and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        and query.dtype == key_cache.dtype == value_cache.dtype
+        and (query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and native_bf16() is not None))
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= _MAX_GROUP
         and query.shape[2] <= _MAX_HEAD_DIM
@@ -75,14 +98,14 @@ def _native_decode(
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim], written
 ) -> None:
-    """:func:`_decode`'s contract, in C when the inputs allow it."""
-    fn = _function()
+    """:func:`_decode`'s contract, in C when the inputs allow it (the entry point of their dtype)."""
+    fn = _function(query.dtype)
     if fn is None or not _supported(query, key_cache, value_cache) or min(lens) < 1:
         _decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
         return
     tables = block_tables.to(torch.int32).contiguous()
     lengths = seq_lens.to(torch.int32).contiguous()
-    target = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty_like(query)
+    target = out if out.dtype == query.dtype and out.stride(-1) == 1 else torch.empty_like(query)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     fn(query.data_ptr(), query.stride(0), query.stride(1),
@@ -208,11 +231,12 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positions: int) -> torch.Tensor:
-    """fp32 ``[*block_ids.shape[:-1], num_kv_heads, num_positions, head_dim]`` of cached rows.
+def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positions: int,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[*block_ids.shape[:-1], num_kv_heads, num_positions, head_dim]`` of cached rows, in ``dtype``.
 
-    One ``index_select`` copy into the reused scratch buffer of ``role`` (plus a cast for 16-bit
-    caches). With head-major storage (what ``allocate_kv_caches`` uses on the CPU) each (sequence,
+    One ``index_select`` copy into the reused scratch buffer of ``role`` (plus a cast where ``dtype``
+    is not the cache's). With head-major storage (what ``allocate_kv_caches`` uses on the CPU) each (sequence,
     head) comes out as one contiguous ``[num_positions, head_dim]`` matrix, the layout SDPA's CPU
     kernel reads fastest; with block-major storage whole blocks are copied and the head axis is a
     strided view.
@@ -231,7 +255,7 @@ def _gather(role: str, cache: torch.Tensor, block_ids: torch.Tensor, num_positio
         torch.index_select(cache, 0, ids, out=rows)
         rows = rows.view(*lead, -1, num_kv_heads, head_dim).transpose(-3, -2)
     rows = rows[..., :num_positions, :]  # [*lead, num_kv_heads, num_positions, head_dim]
-    return rows if rows.dtype == torch.float32 else rows.float()
+    return rows.to(dtype)
 
 
 # Decode gathers at most this many bytes of K (and as many of V) per group of sequences, so a large
@@ -301,24 +325,27 @@ def _prefill(
     block_table: torch.Tensor,  # [max_blocks]
     seq_len: int,
     scale: float,
-) -> torch.Tensor:  # [q_len, num_heads, head_dim] fp32
+) -> torch.Tensor:  # [q_len, num_heads, head_dim], fp32 or bf16
     """One sequence's chunk: contiguous K/V, causal mask offset by the context already cached.
 
     A chunk with no cached context is plain causal attention (``is_causal``: the kernel skips the
     masked half); SDPA gets a batch axis because its CPU kernel parallelises 4-D inputs better.
+    bf16 caches are attended in bf16 (SDPA's CPU kernel keeps scores and sums in fp32), so the K/V
+    copy stays half the size; other 16-bit caches in fp32.
     """
     q_len, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    dtype = torch.bfloat16 if key_cache.dtype == torch.bfloat16 else torch.float32
     block_ids = block_table[: -(-seq_len // block_size)].long()
-    k = _gather("key", key_cache, block_ids, seq_len)  # [num_kv_heads, seq_len, head_dim]
-    v = _gather("value", value_cache, block_ids, seq_len)
+    k = _gather("key", key_cache, block_ids, seq_len, dtype)  # [num_kv_heads, seq_len, head_dim]
+    v = _gather("value", value_cache, block_ids, seq_len, dtype)
     mask = None
     if q_len != seq_len:
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
     o = F.scaled_dot_product_attention(
-        query.float().transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
+        query.to(dtype).transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
         k[None],
         v[None],
         attn_mask=mask,

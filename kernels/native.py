@@ -87,6 +87,12 @@ def _cpu_flags() -> str:
         return ""
 
 
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this machine's CPU (``/proc/cpuinfo``; empty where there is none)."""
+    _, _, flags = _cpu_flags().partition(":")
+    return frozenset(flags.split())
+
+
 def library_path(name: str) -> Path:
     """Where the library built from ``csrc/<name>.c`` for this machine and compiler lives."""
     source = (CSRC / f"{name}.c").read_bytes()

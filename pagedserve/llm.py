@@ -85,7 +85,8 @@ class _Pending:
 class LLM:
     """Generate text for a batch of prompts with continuous batching over a paged KV cache.
 
-    Engine options (all keywords): ``dtype`` (auto | float32 | bfloat16 | float16), ``device``,
+    Engine options (all keywords): ``dtype`` (auto | float32 | bfloat16 | float16; auto: bfloat16 on a
+    CPU with AMX-BF16 or AVX512-BF16, else float32 — ``worker_service.loader.choose_dtype``), ``device``,
     ``seed`` (draws the seeds of requests that come without one), ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``shared_prefill_token_threshold`` (a

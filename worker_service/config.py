@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kernels import BACKENDS as ATTENTION_BACKENDS
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.flags import setting
+from worker_service.loader import describe_auto_dtype
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -44,7 +45,7 @@ class ModelRunnerConfig:
 
     model: str = setting("smollm2-135m", help="short name (smollm2-135m), Hugging Face folder, or .gguf file")
     dtype: str = setting("auto", choices=DTYPES,
-                         help="weights / KV dtype (auto: float32 on CPU, the checkpoint's half type on CUDA)")
+                         help=f"weights, activations and KV-cache dtype; {describe_auto_dtype()}")
     device: str | None = setting(None, type=str, help="torch device (default: cuda if available, else cpu)")
     block_size: int = setting(16, help="tokens per KV-cache block")
     max_num_seqs: int = setting(128, help="rows of the persistent batch")

@@ -7,15 +7,69 @@ drop the transformers model. The architecture is checked from the config before 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kernels.cpu import BF16_CPU_FLAGS, native_bf16
 from servicekit.model_registry import ModelSource, resolve_model
 from worker_service.models import model_class_for
 from worker_service.models.layers import RotaryEmbedding
 from worker_service.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The dtype of weights, activations and KV cache, and why it was picked (logged, shown in --help)."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def choose_dtype(name: str, device: torch.device, hf_config: Any | None = None) -> DtypeChoice:
+    """The one rule for ``--dtype``: a named dtype is taken as is; ``auto`` picks
+
+    * on the CPU, bfloat16 when the CPU computes in bf16 natively (AMX-BF16 or AVX512-BF16, the
+      flags vLLM's CPU backend checks: :func:`kernels.cpu.native_bf16`), else float32 — without
+      those instructions bf16 GEMMs are emulated and slower than fp32;
+    * on CUDA, the checkpoint's own 16-bit type, else bfloat16 (``hf_config`` None: not known yet).
+    """
+    if name != "auto":
+        return DtypeChoice(getattr(torch, name), "as asked")
+    if device.type == "cpu":
+        flag = native_bf16()
+        if flag is not None:
+            return DtypeChoice(torch.bfloat16, f"auto: this CPU has {flag}")
+        return DtypeChoice(torch.float32, f"auto: this CPU has neither {' nor '.join(BF16_CPU_FLAGS)}")
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    if stored in (torch.float16, torch.bfloat16):
+        return DtypeChoice(stored, "auto: the checkpoint's 16-bit type on CUDA")
+    return DtypeChoice(torch.bfloat16, "auto: bfloat16 on CUDA (the checkpoint names no 16-bit type)")
+
+
+def describe_auto_dtype(device: torch.device | None = None) -> str:
+    """What ``auto`` means, and what it picks on ``device`` (default: this machine's), for ``--help``."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rule = (f"auto = bfloat16 on a CPU with {' or '.join(BF16_CPU_FLAGS)}, else float32; "
+            "on CUDA the checkpoint's 16-bit type, else bfloat16")
+    if device.type != "cpu":
+        return rule
+    choice = choose_dtype("auto", device)
+    return f"{rule} (here: {choice.name}, {choice.reason.removeprefix('auto: ')})"
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    return choose_dtype(name, device, hf_config).dtype
 
 
 @dataclass(slots=True)
@@ -25,17 +79,7 @@ class LoadedModel:
     source: ModelSource
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
-
-
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32
-    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
-    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+    dtype_reason: str = "as asked"  # DtypeChoice.reason
 
 
 def load_hf_config(source: ModelSource) -> Any:
@@ -68,7 +112,9 @@ def load_model(
     hf_config = hf_model.config if hf_model is not None else load_hf_config(source)
     cls = model_class_for(hf_config)  # refuses unsupported architectures before reading weights
     cfg = cls.config_from_hf(hf_config)
-    torch_dtype = resolve_dtype(dtype, hf_config, device)
+    choice = choose_dtype(dtype, device, hf_config)
+    torch_dtype = choice.dtype
+    log.info("model dtype %s on %s (%s)", choice.name, device, choice.reason)
     if hf_model is None:
         from transformers import AutoModelForCausalLM
 
@@ -83,7 +129,7 @@ def load_model(
     ours.rope = RotaryEmbedding(cfg.inv_freq, max_positions).to(device)  # buffers were on meta
     ours.load_hf_state_dict(state)
     ours.eval().requires_grad_(False)
-    return LoadedModel(ours, hf_config, source, _eos_token_ids(hf_model, hf_config), torch_dtype)
+    return LoadedModel(ours, hf_config, source, _eos_token_ids(hf_model, hf_config), torch_dtype, choice.reason)
 
 
 def _eos_token_ids(hf_model: Any, hf_config: Any) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 from services.conftest import (  # noqa: F401  (fixtures re-exported for this folder)
+    DTYPE,
     MAX_NUM_SEQS,
     NUM_BLOCKS,
     hf_model,
@@ -31,7 +32,7 @@ STEP_DELAY_S = "0.01"  # throttles generation so every kill lands mid-generation
 
 def start_worker(cluster: LocalCluster, model_dir: str, name: str):
     return cluster.start("worker", name, [
-        "--model", model_dir, "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--model", model_dir, "--dtype", DTYPE, "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
         "--heartbeat-ttl-s", "2", "--step-delay-s", STEP_DELAY_S, "--worker-id", name])
 
 

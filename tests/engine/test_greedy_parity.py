@@ -1,5 +1,6 @@
 """Greedy decoding through ``LLM.generate`` matches transformers' ``generate(do_sample=False)``
-token for token — all prompts in one batch, with prefill chunked, and with requests preempted."""
+token for token — all prompts in one batch, with prefill chunked, and with requests preempted — in
+fp32 (pinned: ``auto`` picks bf16 on CPUs with native bf16; bf16's agreement is in test_bf16.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ TINY_MODES = {
 
 
 def run_mode(model: str, prompts, mode: dict, **kwargs):
-    llm = LLM(model, skip_tokenizer_init=True, **mode, **kwargs)
+    llm = LLM(model, skip_tokenizer_init=True, dtype="float32", **mode, **kwargs)
     if kwargs.get("attention_backend") == "cpu" and cpu.available():
         assert llm.runner.attention_backend == "cpu"
     outputs = llm.generate(prompts, GREEDY)

@@ -12,7 +12,7 @@ from servicekit.contract.errors import InvalidArgumentError
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(tiny_llama.path, skip_tokenizer_init=True, block_size=8)
+    return LLM(tiny_llama.path, skip_tokenizer_init=True, block_size=8, dtype="float32")
 
 
 def test_single_and_batched_token_prompts(llm):
@@ -76,7 +76,7 @@ def test_unsupported_model_is_a_clear_error(tmp_path):
 @pytest.mark.model
 @pytest.mark.slow
 def test_smollm2_text_and_chat(smollm2):
-    llm = LLM("smollm2-135m", hf_model=smollm2.hf, max_model_len=1024)
+    llm = LLM("smollm2-135m", hf_model=smollm2.hf, max_model_len=1024, dtype="float32")
     params = SamplingParams(max_tokens=12, temperature=0.0)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     (chat,) = llm.chat(messages, params)

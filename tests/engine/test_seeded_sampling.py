@@ -33,15 +33,16 @@ def seeded_tokens(llm: LLM, prompts, together: bool) -> list[int]:
     return outputs[0].token_ids
 
 
-def test_seeded_request_is_the_same_alone_and_in_a_batch_of_eight(tiny_llama, prompts):
-    llm = LLM(tiny_llama.path, skip_tokenizer_init=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_request_is_the_same_alone_and_in_a_batch_of_eight(tiny_llama, prompts, dtype):
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True, dtype=dtype)
     alone = seeded_tokens(llm, prompts, together=False)
     assert len(alone) == 32 and len(set(alone)) > 5  # it really sampled
     assert seeded_tokens(llm, prompts, together=True) == alone
     # chunked prefill and preemption change the batches, not the tokens
-    chunked = LLM(tiny_llama.path, skip_tokenizer_init=True, max_num_batched_tokens=16)
+    chunked = LLM(tiny_llama.path, skip_tokenizer_init=True, max_num_batched_tokens=16, dtype=dtype)
     assert seeded_tokens(chunked, prompts, together=True) == alone
-    small = LLM(tiny_llama.path, skip_tokenizer_init=True, num_blocks=14, block_size=8)
+    small = LLM(tiny_llama.path, skip_tokenizer_init=True, num_blocks=14, block_size=8, dtype=dtype)
     assert seeded_tokens(small, prompts, together=True) == alone
     assert small.scheduler.stats().num_preemptions > 0
 

@@ -17,19 +17,39 @@ MIXED = dict(q_lens=[1, 7, 1, 20, 1], seq_lens=[150, 7, 37, 90, 1])
 DECODE = dict(q_lens=[1] * 6, seq_lens=[150, 37, 1, 64, 16, 17])
 
 
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """A CPU with native bf16 (AVX512-BF16), whatever this one has: the C kernel's bf16 entry point
+    is plain C, so it runs anywhere; the flag only decides whether it is used."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+
+
+@pytest.fixture
+def no_bf16_cpu(monkeypatch):
+    """A CPU without AMX-BF16 or AVX512-BF16."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"sse2", "avx2", "avx512f"}))
+
+
+# bf16 results are rounded once, to bf16 (8 significant bits), from the same fp32 arithmetic
+TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
 @needs_native
 @pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # two specialised sizes and the generic loop
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
-def test_cpu_attention_matches_reference(paged_batch, shape, gqa, head_dim, block_size, head_major):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_attention_matches_reference(paged_batch, bf16_cpu, shape, gqa, head_dim, block_size, head_major,
+                                         dtype):
     batch = paged_batch(**shape, num_heads=2 * gqa, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
-                        head_major=head_major)
+                        head_major=head_major, dtype=dtype)
 
     out = cpu.cpu_paged_attention(*batch.args())
 
-    torch.testing.assert_close(out, ref_paged_attention(*batch.args()), atol=2e-6, rtol=1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
 
 
 @needs_native
@@ -48,24 +68,42 @@ def test_cpu_attention_reads_strided_query_and_writes_into_out(paged_batch):
 
 
 @needs_native
-def test_cpu_attention_uses_the_kernel_for_decode_rows(paged_batch, monkeypatch):
-    import kernels.cpu as module
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_attention_uses_the_kernel_for_decode_rows(paged_batch, monkeypatch, bf16_cpu, dtype):
+    def no_torch_decode(*args, **kwargs):
+        raise AssertionError("decode rows must not take the torch path")
 
-    def no_reference(*args, **kwargs):
-        raise AssertionError("fp32 decode rows must not take the reference path")
-
-    monkeypatch.setattr(module, "_decode", no_reference)
-    batch = paged_batch(**DECODE, num_heads=6, num_kv_heads=2, head_dim=64)
-    module.cpu_paged_attention(*batch.args())
+    monkeypatch.setattr(cpu, "_decode", no_torch_decode)
+    batch = paged_batch(**DECODE, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
+    cpu.cpu_paged_attention(*batch.args())
 
 
-def test_cpu_attention_falls_back_to_torch_decode_for_bf16(paged_batch):
-    batch = paged_batch(**DECODE, num_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_decode_without_native_bf16_takes_the_torch_path(paged_batch, monkeypatch, no_bf16_cpu, dtype):
+    calls = []
+    torch_decode = cpu._decode
+    monkeypatch.setattr(cpu, "_decode", lambda *args: calls.append(args) or torch_decode(*args))
+    batch = paged_batch(**DECODE, num_heads=4, num_kv_heads=2, dtype=dtype)
 
     out = cpu.cpu_paged_attention(*batch.args())
 
-    assert out.dtype == torch.bfloat16
+    assert calls, "without native bf16 (or for fp16) the C kernel must not serve 16-bit caches"
+    assert out.dtype == dtype
     torch.testing.assert_close(out, ref_paged_attention(*batch.args()))
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch):
+    for flags, expected in [({"avx512f", "avx512_bf16"}, "avx512_bf16"), ({"amx_bf16", "avx512_bf16"}, "amx_bf16"),
+                            ({"avx2", "avx512f"}, None), (set(), None)]:
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu.native_bf16() == expected
+
+
+def test_cpu_flags_parse_the_flags_line(monkeypatch):
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags\t\t: fpu sse2 avx512_bf16 amx_tile\n")
+    assert native.cpu_flags() == {"fpu", "sse2", "avx512_bf16", "amx_tile"}
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "")
+    assert native.cpu_flags() == frozenset()
 
 
 def test_without_a_compiler_the_cpu_path_decodes_in_torch(paged_batch, monkeypatch, tmp_path, caplog):
@@ -120,7 +158,7 @@ def test_native_build_reports_compiler_errors(monkeypatch, tmp_path):
 @pytest.fixture
 def torch_decode(monkeypatch):
     """The CPU path as on a machine without a C compiler: decode rows batched in torch."""
-    monkeypatch.setattr(cpu, "_function", lambda: None)
+    monkeypatch.setattr(cpu, "_function", lambda dtype=None: None)
 
 
 @pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
@@ -137,7 +175,7 @@ def test_torch_decode_path_matches_reference(paged_batch, torch_decode, shape, g
 
 
 def test_cpu_reshape_and_cache_matches_reference(storage, empty_cache):
-    num_blocks, block_size, num_kv_heads, head_dim = 8, 4, 2, 16
+    num_kv_heads, head_dim = 2, 16  # empty_cache's defaults
 
     key, value = torch.randn(5, num_kv_heads, head_dim), torch.randn(5, num_kv_heads, head_dim)
     slot_mapping = torch.tensor([13, -1, 0, 31, 6])

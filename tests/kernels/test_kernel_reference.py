@@ -73,7 +73,7 @@ def test_ref_paged_attention_writes_into_out(paged_batch):
 
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
 def test_ref_reshape_and_cache_writes_each_slot_and_skips_minus_one(slot_dtype, storage, empty_cache):
-    num_blocks, block_size, num_kv_heads, head_dim = 8, 4, 2, 16
+    block_size, num_kv_heads, head_dim = 4, 2, 16  # empty_cache's defaults
 
     key_cache, value_cache = empty_cache(storage), empty_cache(storage)
     key = torch.randn(5, num_kv_heads, head_dim)

@@ -25,6 +25,11 @@ if gen.is_stale():  # the generated code is git-ignored; `make gen` normally wri
 REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 512  # KV blocks of the test worker (incl. the null block)
 MAX_NUM_SEQS = 64
+# Fault tests expect a resumed request (prefill recomputed over prompt + delivered tokens) to continue
+# with exactly the fault-free tokens. In fp32 the recomputed K/V and logits match the incremental ones
+# closely enough; bf16 rounds a recomputed prefill differently from token-by-token decode and may
+# take another greedy branch after the resume point, so the service and chaos stacks pin fp32.
+DTYPE = "float32"
 
 
 def redis_server_binary() -> str:
@@ -134,7 +139,7 @@ def llm(tiny_model_dir, hf_model):
     """The in-process engine on the same model (the reference for token equality)."""
     from pagedserve import LLM
 
-    return LLM(tiny_model_dir, hf_model=hf_model, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS)
+    return LLM(tiny_model_dir, hf_model=hf_model, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS, dtype=DTYPE)
 
 
 @dataclasses.dataclass
@@ -207,8 +212,8 @@ async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
     from worker_service.main import WorkerApp, WorkerSettings
     from worker_service.model_runner import ModelRunner
 
-    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
-                         hf_model=hf_model)
+    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+                                           dtype=DTYPE), hf_model=hf_model)
     worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_server.url,
                                       drain_grace_s=2), runner=runner)
     await worker.start()

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.aio_client import AsyncClient
 from servicekit.contract.sampling_params import SamplingParams
 
-from .conftest import MAX_NUM_SEQS, NUM_BLOCKS
+from .conftest import DTYPE, MAX_NUM_SEQS, NUM_BLOCKS
 from .test_health import NOT_SERVING, SERVING, health
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
@@ -24,8 +24,8 @@ async def start_worker(prefix: str, tiny_model_dir, hf_model, redis_url, *, step
     from worker_service.main import WorkerApp, WorkerSettings
     from worker_service.model_runner import ModelRunner
 
-    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
-                         hf_model=hf_model)
+    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+                                           dtype=DTYPE), hf_model=hf_model)
     worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_url, key_prefix=prefix,
                                       step_delay_s=step_delay_s), runner=runner)
     await worker.start()

@@ -14,7 +14,7 @@ import pytest
 from pagedserve.client import Client
 from servicekit.contract.sampling_params import SamplingParams
 
-from .conftest import REPO, free_port
+from .conftest import DTYPE, REPO, free_port
 
 pytestmark = [pytest.mark.service, pytest.mark.slow]
 
@@ -27,7 +27,7 @@ def served(tiny_model_dir, tmp_path_factory):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", "serve", "--model", tiny_model_dir,
-             *(f"--{k}={v}" for k, v in ports.items()), "--worker-arg=--num-blocks=512",
+             *(f"--{k}={v}" for k, v in ports.items()), "--worker-arg=--num-blocks=512", f"--worker-arg=--dtype={DTYPE}",
              "--worker-arg=--max-num-seqs=32", "--drain-grace-s=3"],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     deadline = time.monotonic() + 180

@@ -78,11 +78,12 @@ def hf_greedy(hf_model: Any, prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def make_runner(hf_model: Any, **overrides: Any) -> Any:
-    """A ModelRunner over ``hf_model``'s weights (CPU, torch attention unless overridden)."""
+    """A ModelRunner over ``hf_model``'s weights (CPU, fp32 — tests compare with transformers' fp32
+    greedy tokens —, torch attention unless overridden)."""
     from worker_service.config import ModelRunnerConfig
     from worker_service.model_runner import ModelRunner
 
-    values: dict[str, Any] = dict(model="tiny", device="cpu", num_blocks=64, block_size=4, max_model_len=256,
+    values: dict[str, Any] = dict(model="tiny", dtype="float32", device="cpu", num_blocks=64, block_size=4, max_model_len=256,
                                   max_num_seqs=8, attention_backend="torch")
     values.update(overrides)
     return ModelRunner(ModelRunnerConfig(**values), hf_model=hf_model)

@@ -8,7 +8,7 @@ import torch
 from kernels.reference import ref_paged_attention, ref_reshape_and_cache
 from worker.factories import make_hf_config, make_hf_model, random_prompts, save_hf_model
 from worker_service.kv_cache import allocate_kv_caches
-from worker_service.loader import load_model
+from worker_service.loader import choose_dtype, describe_auto_dtype, load_model
 from worker_service.models import UnsupportedModelError, model_class_for
 from worker_service.models.layers import AttentionMetadata, ForwardContext
 
@@ -60,7 +60,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers_at_every_position(case):
     hf = make_hf_model(**CASES[case])
-    ours = load_model("tiny", hf_model=hf, max_positions=256).model
+    ours = load_model("tiny", hf_model=hf, max_positions=256, dtype="float32").model
     prompts = random_prompts([1, 7, 33, 80])
     for prompt, logits in zip(prompts, forward_packed(ours, prompts)):
         expected = hf_logits(hf, prompt)
@@ -69,7 +69,7 @@ def test_logits_match_transformers_at_every_position(case):
 
 
 def test_packing_does_not_change_a_sequence():
-    ours = load_model("tiny", hf_model=make_hf_model(), max_positions=256).model
+    ours = load_model("tiny", hf_model=make_hf_model(), max_positions=256, dtype="float32").model
     prompts = random_prompts([5, 40, 12], seed=3)
     together = forward_packed(ours, prompts)
     for prompt, logits in zip(prompts, together):
@@ -81,7 +81,32 @@ def test_loads_a_saved_folder_and_reports_eos(tmp_path):
     loaded = load_model(str(path))
     assert type(loaded.model).__name__ == "Qwen2ForCausalLM"
     assert loaded.eos_token_ids == (2,)
-    assert loaded.dtype == torch.float32
+    assert loaded.dtype == choose_dtype("auto", torch.device("cpu")).dtype
+    assert loaded.model.embed.weight.dtype == loaded.dtype
+
+
+@pytest.mark.parametrize("flags, dtype, reason", [
+    ({"avx512f", "avx512_bf16"}, torch.bfloat16, "avx512_bf16"),
+    ({"amx_tile", "amx_bf16"}, torch.bfloat16, "amx_bf16"),
+    ({"avx2", "avx512f", "avx512_vnni"}, torch.float32, "neither amx_bf16 nor avx512_bf16"),
+])
+def test_auto_dtype_on_the_cpu_follows_its_bf16_flags(monkeypatch, flags, dtype, reason):
+    from kernels import native
+
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
+    choice = choose_dtype("auto", torch.device("cpu"))
+    assert choice.dtype == dtype and reason in choice.reason
+    assert f"here: {choice.name}" in describe_auto_dtype(torch.device("cpu"))  # what --help says
+    assert choose_dtype("float32", torch.device("cpu")).dtype == torch.float32  # named: taken as is
+
+
+def test_worker_help_says_what_auto_picks_here():
+    from worker_service.main import build_parser
+
+    help_text = " ".join(build_parser({}).format_help().split())
+    assert describe_auto_dtype() in help_text
+    if not torch.cuda.is_available():
+        assert f"here: {choose_dtype('auto', torch.device('cpu')).name}" in help_text
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -2,7 +2,9 @@
 
 Numerics follow Hugging Face's implementations step by step (fp32 norm statistics, cos/sin computed
 in fp32 from the same inverse frequencies), so that greedy decoding matches ``generate`` token for
-token.
+token in fp32. In a 16-bit model the weights, the GEMMs and the KV cache are 16-bit, while the norm
+statistics and the rotation run in fp32 and the residual stream stays fp32 (see ``llama.py``): each
+16-bit rounding then happens once per sub-layer output, never accumulated across layers.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] in fp32 (the residual stream) or the model dtype -> [T, D] in the model (weight) dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * h.to(self.weight.dtype)
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
@@ -73,16 +76,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, Dh] (broadcast over heads)
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, Dh] fp32 (broadcast over heads)
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, Dh]; rotate_half pairs dimension i with i + Dh/2 (the Hugging Face layout)
+    # x: [T, H, Dh] -> the same shape and dtype, rotated in fp32 (cos/sin are fp32; a no-op cast in
+    # an fp32 model); rotate_half pairs dimension i with i + Dh/2 (the Hugging Face layout)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 @dataclass(slots=True)

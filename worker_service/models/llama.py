@@ -24,6 +24,10 @@ from worker_service.models.layers import (
     rope_inv_freq,
 )
 
+# Per sampling row, the largest 16-bit logits recomputed in fp32 (see LlamaForCausalLM.compute_logits):
+# ties rounded together by a bf16 output are within a few of the top.
+REFINED_LOGITS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
@@ -75,9 +79,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]  # x: [T, D]
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)  # [T, H, Dh]
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KVH, Dh]
+        qk, v = self.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side, rotated by one call: [T, H + KVH, Dh]
+        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, Dh], [T, KVH, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
         out = ctx.attend(self.layer, q, k, v, self.scale)  # [T, H, Dh]
         return self.o(out.reshape(T, self.q_size))  # [T, D]
@@ -104,7 +109,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, ctx)  # x: [T, D]
+        # x: [T, D] fp32, the residual stream; each sub-layer computes in the model dtype
+        x = x + self.attn(self.input_norm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -125,17 +131,30 @@ class LlamaForCausalLM(nn.Module):
         return DecoderConfig.from_hf(hf_config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden states [T, D] (before the LM head)
-        x = self.embed(input_ids)  # [T, D]
-        cos, sin = self.rope(positions, x.dtype)  # [T, 1, Dh]
+        # input_ids, positions: [T] -> hidden states [T, D] in the model dtype (before the LM head)
+        x = self.embed(input_ids).float()  # [T, D]: the residual stream is fp32 whatever the model dtype
+        cos, sin = self.rope(positions)  # [T, 1, Dh] fp32
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, D] (only the rows that sample) -> logits [N, V] in fp32
+        """Logits ``[N, V]`` fp32 of ``hidden`` ``[N, D]`` (only the rows that sample).
+
+        The GEMM runs in the model dtype. A 16-bit GEMM accumulates in fp32 but returns its output
+        rounded to 16 bits — for bf16, steps of 1/16 at a logit of 10, so near-ties become exact
+        ties and greedy picks the lower token id. The :data:`REFINED_LOGITS` largest logits of each
+        row, the only ones greedy decoding and the head of a sampled distribution depend on, are
+        therefore recomputed in fp32 from the same 16-bit operands (a ``[N, k, D]`` product, not a
+        second ``[N, V]`` GEMM). In an fp32 model the GEMM's output is used as is.
+        """
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()  # [N, V]
+        if weight.dtype != torch.float32 and logits.shape[0] > 0:
+            top = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [N, k]
+            exact = torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float())  # [N, k]
+            logits.scatter_(1, top, exact)
+        return logits
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face ``LlamaForCausalLM``-style state dict in, fusing q/k/v and gate/up.
