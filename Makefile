@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen native kubectl test test-fast serve bench clean
+.PHONY: help install gen native kubectl test test-fast serve bench clean peer-llamacpp
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
@@ -19,6 +19,7 @@ help:
 	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
 	@echo "make native  - build the C decode-attention kernel of the CPU path for this machine"
 	@echo "make clean   - remove the virtual environment and generated code"
+	@echo "make peer-llamacpp - build llama.cpp's llama-server (the benchmark peer) into build/llamacpp"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +52,12 @@ test: install
 
 serve: install
 	$(VENV)/bin/pagedserve serve --model smollm2-135m
+
+# llama.cpp's llama-server, the CPU peer of `benchmarks/offline_throughput.py --peer llamacpp`: built
+# from the llama-cpp-python sdist on PyPI (it vendors llama.cpp) with cmake + ninja from PyPI, into
+# build/llamacpp (git-ignored); minutes on two cores. Not part of `make test`.
+peer-llamacpp:
+	PYTHON=$(PYTHON) bash benchmarks/build_llamacpp.sh
 
 clean:
 	rm -rf $(VENV) pagedserve/proto_gen *.egg-info
