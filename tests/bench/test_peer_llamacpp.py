@@ -100,18 +100,14 @@ def test_runs_every_request_at_once_greedy_only_and_reports_what_ran(fake_binary
     assert all(isinstance(t, int) for b in bodies for t in b["prompt"])  # token ids, not text
 
 
-def test_a_short_answer_is_an_error_not_a_figure(fake_binary, q4_1_gguf, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault, message", [
+    ("FAKE_LLAMA_SHORT", "output tokens, got"),  # a short answer is an error, not a figure
+    ("FAKE_LLAMA_CRASH", "boom, cannot load the model"),  # a server dying at start shows its log
+])
+def test_faults_of_the_server_are_errors(fault, message, fake_binary, q4_1_gguf, tmp_path, monkeypatch):
     binary, _ = fake_binary
-    monkeypatch.setenv("FAKE_LLAMA_SHORT", "1")
-    with pytest.raises(peer.PeerError, match="output tokens, got"):
-        peer.run_peer(REQUESTS, q4_1_gguf, binary=str(binary), slots=[2], log_dir=str(tmp_path / "logs"),
-                      ready_timeout_s=60)
-
-
-def test_a_server_that_dies_at_start_shows_its_log(fake_binary, q4_1_gguf, tmp_path, monkeypatch):
-    binary, _ = fake_binary
-    monkeypatch.setenv("FAKE_LLAMA_CRASH", "1")
-    with pytest.raises(peer.PeerError, match="boom, cannot load the model"):
+    monkeypatch.setenv(fault, "1")
+    with pytest.raises(peer.PeerError, match=message):
         peer.run_peer(REQUESTS, q4_1_gguf, binary=str(binary), slots=[2], log_dir=str(tmp_path / "logs"),
                       ready_timeout_s=60)
 
