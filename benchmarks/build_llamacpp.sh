@@ -5,13 +5,14 @@
 # patched source, the build tree, and `bin/llama-server` + `bin/BUILD_INFO`. No llama.cpp code is
 # ever committed here. Re-running reuses what is there (delete the folder for a clean build).
 #
-#   make peer-llamacpp                          # newest llama-cpp-python
-#   LLAMA_CPP_PYTHON_VERSION=0.3.36 make peer-llamacpp
+#   make peer-llamacpp                                # llama-cpp-python 0.3.36 (llama.cpp 0c1e57098)
+#   LLAMA_CPP_PYTHON_VERSION=0.3.37 make peer-llamacpp  # another release (the AMX patch must still apply)
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
 DIR=$(mkdir -p "${LLAMACPP_DIR:-build/llamacpp}" && cd "${LLAMACPP_DIR:-build/llamacpp}" && pwd)
-VERSION=${LLAMA_CPP_PYTHON_VERSION:-}
+# Pinned: the release this benchmark's figures and the AMX patch below were made with.
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 JOBS=${LLAMACPP_JOBS:-2}
 
 echo "== tools (cmake, ninja from PyPI) in $DIR/tools"
@@ -51,7 +52,10 @@ echo "== patch: compiler barrier after the AMX tile config (GCC 12 drops its sto
 # so the first AMX matmul dies with SIGILL. A memory clobber keeps the stores.
 AMX="$SRC/ggml/src/ggml-cpu/amx/mmq.cpp"
 if [ -f "$AMX" ] && ! grep -q 'pagedserve: compiler barrier' "$AMX"; then
-    grep -q '^    _tile_loadconfig(&tc);$' "$AMX" || { echo "AMX patch: anchor line not found in $AMX" >&2; exit 1; }
+    grep -q '^    _tile_loadconfig(&tc);$' "$AMX" || {
+        echo "AMX patch: anchor line not found in $AMX; check whether this llama.cpp still needs it" >&2
+        exit 1
+    }
     sed -i 's|^    _tile_loadconfig(&tc);$|    asm volatile("" ::: "memory");  // pagedserve: compiler barrier (GCC 12)\n    _tile_loadconfig(\&tc);|' "$AMX"
 fi
 

@@ -11,7 +11,8 @@ all at once, and stops it. Settings for a fair peer (issue 15's notes):
 - greedy and nothing else: ``temperature: 0`` with ``"samplers": ["top_k"], "top_k": 1`` — the
   default chain runs every sampler even at temperature 0, which costs llama.cpp time we don't spend;
 - ``-fa off``: on the CPU llama.cpp's flash attention halves its decode speed at 512-token contexts;
-- ``-np`` slots, each with a context for the longest request; the same thread count as torch.
+- ``-np`` slots, each with a context for the longest request; the same thread count as torch;
+  ``-cram 0``: no host-memory prompt cache (nothing is reused, so saving prompts would only cost).
 
 Standard library only (``gguf`` for the file type, which transformers' GGUF loading installs).
 """
@@ -63,7 +64,7 @@ def server_command(binary: str, gguf: str, port: int, slots: int, ctx_per_slot: 
     """The ``llama-server`` command line (``-c`` is the whole context, split over ``-np`` slots)."""
     return [binary, "-m", gguf, "--host", _HOST, "--port", str(port), "-np", str(slots),
             "-c", str(slots * ctx_per_slot), "--no-kv-unified", "-t", str(threads), "-tb", str(threads),
-            "-fa", "off"]
+            "-fa", "off", "-cram", "0"]
 
 
 def ctx_per_slot(requests: Sequence[PeerRequest], granule: int = 256) -> int:

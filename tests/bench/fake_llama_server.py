@@ -24,7 +24,7 @@ def main() -> None:
         print("error: boom, cannot load the model", file=sys.stderr)
         sys.exit(1)
     p = argparse.ArgumentParser()
-    for flag in ("-m", "--host", "--port", "-np", "-c", "-t", "-tb", "-fa"):
+    for flag in ("-m", "--host", "--port", "-np", "-c", "-t", "-tb", "-fa", "-cram"):
         p.add_argument(flag, required=True)
     p.add_argument("--no-kv-unified", action="store_true")
     args = p.parse_args()

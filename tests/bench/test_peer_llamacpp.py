@@ -90,7 +90,7 @@ def test_runs_every_request_at_once_greedy_only_and_reports_what_ran(fake_binary
     flags = dict(zip(argv_pairs[::2], argv_pairs[1::2]))
     per_slot = 256  # the longest request, 58 + 9 tokens, rounded up
     assert flags == {"-m": q4_1_gguf, "--host": "127.0.0.1", "--port": flags["--port"], "-np": "3",
-                     "-c": str(3 * per_slot), "-t": "2", "-tb": "2", "-fa": "off"}
+                     "-c": str(3 * per_slot), "-t": "2", "-tb": "2", "-fa": "off", "-cram": "0"}
     assert result["ctx_per_slot"] == per_slot
     assert record["max_in_flight"] == len(REQUESTS)  # all at once, not a slot's worth at a time
     bodies = sorted(record["bodies"], key=lambda b: len(b["prompt"]))
