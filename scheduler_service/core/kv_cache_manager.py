@@ -165,8 +165,8 @@ class KVCacheManager:
         Idempotent: a request holding no blocks is a no-op.
 
         Blocks this request entered in the prefix cache past ``request.num_computed_tokens`` (the
-        KV earlier steps computed, or its hit) leave the cache first: if the request is being dropped from the
-        step being planned, no step will ever write them (see the class invariants).
+        KV earlier steps computed, or its hit) leave the cache first: if the request is being
+        dropped from the step being planned, no step will ever write them (see the class invariants).
         """
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, None)

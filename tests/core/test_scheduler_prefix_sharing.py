@@ -78,7 +78,7 @@ def test_a_chunk_shares_only_the_blocks_its_step_fills():
     """A long prompt cut by the threshold: a request admitted beside its first chunk shares that chunk."""
     s = make_scheduler(long_prefill_token_threshold=8)
     prompt = make_prompt(20, "chunked")
-    first, second = make_request(prompt_token_ids=prompt, max_tokens=1), make_request(prompt_token_ids=prompt, max_tokens=1)
+    first, second = (make_request(prompt_token_ids=prompt, max_tokens=1) for _ in range(2))
     s.add_request(first)
     s.add_request(second)
     worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn)
