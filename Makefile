@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen native kubectl test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels
+.PHONY: help install gen native kubectl test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels peer-llamacpp
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
@@ -22,6 +22,7 @@ help:
 	@echo "make gpu-check     - on a CUDA machine: kernels, model parity, kernel speed, throughput, stack (< 8 min, H200)"
 	@echo "make gpu-check-dry - the same check on this CPU with tiny shapes (Triton's interpreter)"
 	@echo "make gpu-wheels    - download the wheels the GPU machine lacks into .gpu-wheels/ (and make gen)"
+	@echo "make peer-llamacpp - build llama.cpp's llama-server (the benchmark peer) into build/llamacpp"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +55,12 @@ test: install
 
 serve: install
 	$(VENV)/bin/pagedserve serve --model smollm2-135m
+
+# llama.cpp's llama-server, the CPU peer of `benchmarks/offline_throughput.py --peer llamacpp`: built
+# from the llama-cpp-python sdist on PyPI (it vendors llama.cpp) with cmake + ninja from PyPI, into
+# build/llamacpp (git-ignored); minutes on two cores. Not part of `make test`.
+peer-llamacpp:
+	PYTHON=$(PYTHON) bash benchmarks/build_llamacpp.sh
 
 clean:
 	rm -rf $(VENV) servicekit/proto/proto_gen *.egg-info

@@ -15,6 +15,8 @@ machine are noisy: the 1-minute load average is printed at start and stored per 
 
     python benchmarks/offline_throughput.py                      # the full run (a few minutes on CPU)
     python benchmarks/offline_throughput.py --num-requests 8     # a quick one
+    python benchmarks/offline_throughput.py --skip-hf --profile  # where pagedserve's step time goes
+    make peer-llamacpp && python benchmarks/offline_throughput.py --peer llamacpp   # + llama.cpp (peer_llamacpp.py)
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import platform
 import random
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import peer_llamacpp  # beside this script
+import step_profile
 import torch
 
 
@@ -101,7 +105,8 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
               attention_backend=args.attention_backend, dtype=args.dtype, skip_tokenizer_init=True)
     init_s = time.perf_counter() - t0
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
-    with rss.phase():
+    profiling = step_profile.install(llm) if args.profile else nullcontext()
+    with rss.phase(), profiling as profile:
         t0 = time.perf_counter()
         outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=args.progress)
         elapsed = time.perf_counter() - t0
@@ -128,6 +133,8 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
         # applied when the engine starts, i.e. after the transformers phase of this script
         "malloc_tuned": cpu_memory.tune_malloc() if llm.runner.device.type == "cpu" else False,
     }
+    if profile is not None:
+        result["profile"] = step_profile.report(profile, elapsed, produced)
     del llm
     return result
 
@@ -179,11 +186,17 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names, values = ["pagedserve\n(continuous)"], [result["pagedserve"]["output_tokens_per_s"]]
+    colors = ["tab:blue"]
     if result.get("hf_static"):
         names.append(f"transformers\n(static, batch {result['hf_static']['batch_size']})")
         values.append(result["hf_static"]["output_tokens_per_s"])
-    fig, ax = plt.subplots(figsize=(5, 4))
-    bars = ax.bar(names, values, color=["tab:blue", "tab:gray"][: len(values)])
+        colors.append("tab:gray")
+    for row in result.get("llamacpp", {}).get("rows", []):
+        names.append(f"llama.cpp\n({row['slots']} slots)")
+        values.append(row["output_tokens_per_s"])
+        colors.append("tab:orange")
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(values)), 4))
+    bars = ax.bar(names, values, color=colors)
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens / s (load time excluded)")
     ratio = result.get("speedup")
@@ -208,9 +221,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.add_argument("--profile", action="store_true",
+                   help="time pagedserve's step by part (GEMM, attention, KV writes, sampling, worker and "
+                        "scheduler Python) and print each part's share of the wall time (step_profile.py)")
     p.add_argument("--tune-malloc-for-transformers", action="store_true",
                    help="apply pagedserve's CPU malloc tuning (worker_service.cpu_memory) before the transformers "
                         "phase too, so both phases run with the same allocator settings")
+    p.add_argument("--peer", choices=["llamacpp"], help="also run the same requests through llama.cpp's "
+                   "llama-server with the model's GGUF file (build it first: make peer-llamacpp)")
+    p.add_argument("--peer-slots", type=int, nargs="+", default=[16], help="llama-server slot counts to run")
+    p.add_argument("--peer-binary", default=peer_llamacpp.DEFAULT_BINARY)
     p.add_argument("--output", default="benchmarks/results/offline_throughput.json")
     args = p.parse_args(argv)
 
@@ -289,6 +309,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"load time excluded from throughput (reported separately): pagedserve engine init "
           f"{result['pagedserve']['engine_init_s']} s" +
           (f", transformers load {result['hf_model_load_s']} s" if "hf_model_load_s" in result else ""))
+
+    if args.peer == "llamacpp":
+        if not source.gguf_file:
+            raise SystemExit(f"--peer llamacpp needs a GGUF model; {args.model} resolves to {source.path}")
+        peer = peer_llamacpp.run_peer(requests, os.path.join(source.path, source.gguf_file),
+                                      binary=args.peer_binary, slots=args.peer_slots, threads=torch.get_num_threads())
+        result["llamacpp"] = peer
+        best = peer["best"]
+        print(f"llama.cpp {peer['version']} (llama-cpp-python {peer['build'].get('llama_cpp_python', '?')}), "
+              f"GGUF {peer['gguf']['file']} type {peer['gguf']['file_type']} {peer['gguf']['tensor_types']}")
+        result["vs_llamacpp_best"] = round(result["pagedserve"]["output_tokens_per_s"] / best["output_tokens_per_s"], 2)
+        print(f"pagedserve / llama.cpp best ({best['slots']} slots): {result['vs_llamacpp_best']}x")
 
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

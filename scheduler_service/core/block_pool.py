@@ -90,7 +90,8 @@ class BlockPool:
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
                           num_cached_blocks: int, num_full_blocks: int) -> None:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache under
-        ``block_hashes[i]``. Only call it for full blocks whose KV has been computed.
+        ``block_hashes[i]``. Only call it for full blocks whose KV is computed, or will be by the
+        step being planned (the KV-cache manager's invariants say why that is enough).
 
         A block already cached (a hit) is left alone. When another block already holds the same hash
         (two requests computed the same prefix at once), the first one stays the cached copy and this
@@ -107,6 +108,16 @@ class BlockPool:
             if block_hash not in cached:
                 block.block_hash = block_hash
                 cached[block_hash] = block
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take these blocks out of the prefix cache (their KV will not be written after all). A block
+        that is not the cached copy of its hash, or has none, is left alone; references are unchanged."""
+        cached = self.cached_blocks
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None and cached.get(block_hash) is block:
+                del cached[block_hash]
+                block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only when no block is held (else returns False, changes nothing),

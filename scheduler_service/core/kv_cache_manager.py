@@ -16,8 +16,18 @@ class KVCacheManager:
     - A request's block table is append-only from its first allocation until ``free`` (the worker
       relies on it: a step only sends the new block ids).
     - A request holds exactly ``cdiv(tokens scheduled so far, block_size)`` blocks.
-    - Only full blocks whose KV has been computed enter the prefix cache (``cache_blocks``), so a hit
-      never points at KV that a worker has not written yet, whatever order it runs a batch in.
+    - A full block enters the prefix cache when it is allocated for the tokens that fill it (as in
+      vLLM), not after the step that computes it: a request admitted in the same step may then point
+      at blocks another request of that step fills. That is sound because a worker writes the K/V of
+      the whole batch in each layer before any attention of that layer reads the cache
+      (``ForwardContext.attend``), and steps run in order on one worker.
+    - So a cached block's KV is "written or being written by the step being planned". The one way
+      it would never be written is its filler leaving that step's plan before the step runs
+      (preempted after its allocation in the same ``schedule()``). ``free`` therefore uncaches a
+      request's own blocks past ``request.num_computed_tokens`` (the KV earlier steps computed):
+      nobody else can hold them, since hits are only claimed at admission and ``schedule()`` admits
+      nothing in a step that preempted. Freeing a request whose step did run, before
+      ``update_from_output`` (an abort in between), only loses those cache entries, never KV.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -28,6 +38,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> its block table
         self.num_cached_blocks: dict[str, int] = {}  # request id -> leading blocks already in the cache
+        self.num_hit_blocks: dict[str, int] = {}  # request id -> leading blocks claimed as a hit at admission
         self.prefix_cache_queries = 0  # prompt(+output) tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
 
@@ -92,22 +103,26 @@ class KVCacheManager:
 
         ``new_computed_blocks`` (from ``get_computed_blocks``, only at admission) are claimed as the
         start of the table. Returns None, changing nothing, when the pool cannot supply the blocks;
-        free cached blocks count as free, except those this very call claims as a hit.
+        free cached blocks count as free, except those this very call claims as a hit. On success the
+        blocks these tokens fill are entered in the prefix cache at once (see the class invariants).
         """
         rid = request.request_id
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(rid)
-        num_required = -(-(request.num_computed_tokens + num_new_computed_tokens + num_new_tokens) // bs)
+        num_required_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_required_tokens // bs)
         if req_blocks is not None and not new_computed_blocks:
             # Hot path: a running request; usually the last block still has room.
             num_new_blocks = num_required - len(req_blocks)
-            if num_new_blocks <= 0:
-                return []
-            pool = self.block_pool
-            if num_new_blocks > pool.free_block_queue.num_free_blocks:
-                return None
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
+            new_blocks: list[KVCacheBlock] = []
+            if num_new_blocks > 0:
+                pool = self.block_pool
+                if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                    return None
+                new_blocks = pool.get_new_blocks(num_new_blocks)
+                req_blocks.extend(new_blocks)
+            if self.enable_caching:  # the step may fill the last held block without a new one
+                self.cache_blocks(request, num_required_tokens)
             return new_blocks
 
         assert not (req_blocks and new_computed_blocks), "prefix hits are only claimed at admission"
@@ -120,7 +135,7 @@ class KVCacheManager:
             return None
         if req_blocks is None:
             req_blocks = self.req_to_blocks[rid] = []
-            self.num_cached_blocks[rid] = len(new_computed_blocks)
+            self.num_cached_blocks[rid] = self.num_hit_blocks[rid] = len(new_computed_blocks)
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
@@ -129,13 +144,16 @@ class KVCacheManager:
             req_blocks.extend(new_computed_blocks)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self.cache_blocks(request, num_required_tokens)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Enter the request's full blocks within its first ``num_computed_tokens`` tokens in the
-        prefix cache. Call it once their KV is computed (after the step that computed them)."""
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's full blocks within its first ``num_tokens`` tokens in the prefix cache.
+        ``allocate_slots`` calls it for the tokens it made room for; call it directly only for tokens
+        whose KV is computed or scheduled in the step being planned."""
         rid = request.request_id
-        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.num_cached_blocks.get(rid)
         if num_cached is None or num_full <= num_cached:
             return
@@ -144,11 +162,23 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (its tail is evicted before its shared prefix).
-        Idempotent: a request holding no blocks is a no-op."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        Idempotent: a request holding no blocks is a no-op.
+
+        Blocks this request entered in the prefix cache past ``request.num_computed_tokens`` (the
+        KV earlier steps computed, or its hit) leave the cache first: if the request is being
+        dropped from the step being planned, no step will ever write them (see the class invariants).
+        """
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, None)
+        num_cached = self.num_cached_blocks.pop(rid, 0)
+        num_hits = self.num_hit_blocks.pop(rid, 0)
+        if not blocks:
+            return
+        # Hits are others' blocks (written or being written for them), never this request's to undo.
+        num_written = max(request.num_computed_tokens // self.block_size, num_hits)
+        if num_cached > num_written:
+            self.block_pool.uncache_blocks(blocks[num_written:num_cached])
+        self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash; only possible (True) when no request holds blocks."""

@@ -54,6 +54,10 @@ class Scheduler:
       run; a running request holds blocks for every token it has scheduled.
     - Output tokens are only appended, and each carries its index: nothing delivered is recomputed
       as a new token (a preempted request resumes from prompt + its outputs).
+    - A step that preempts admits nothing. Besides saving memory, this keeps prefix hits sound:
+      blocks enter the prefix cache when allocated, so a hit may name blocks this step fills, and a
+      request preempted after its allocation in this step takes its unwritten blocks out of the
+      cache (``KVCacheManager.free``) before any admission could hit them.
     """
 
     def __init__(self, config: SchedulerConfig, worker: WorkerDescription, *,
@@ -204,8 +208,8 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Apply one step's results: advance ``num_computed_tokens`` by the scheduled counts, cache the
-        blocks that became full, append sampled tokens, stop and free finished requests.
+        """Apply one step's results: advance ``num_computed_tokens`` by the scheduled counts, append
+        sampled tokens, stop and free finished requests.
 
         Returns one output per request that got tokens or finished. Requests aborted since
         ``schedule()`` are skipped (their tokens dropped). Tokens for a request that did not reach
@@ -216,9 +220,6 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
         requests = self.requests
-        kv = self.kv_cache_manager
-        caching = self.config.enable_prefix_caching
-        bs = self.block_size
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -234,9 +235,7 @@ class Scheduler:
                     computed = num_tokens - 1  # the worker owes us a sample: redo the last token
             else:
                 tokens = None  # a partial prefill chunk samples nothing
-            request.num_computed_tokens = computed
-            if caching and computed // bs > before // bs:
-                kv.cache_blocks(request, computed)
+            request.num_computed_tokens = computed  # full blocks were cached at allocation
             if not tokens:
                 continue
 

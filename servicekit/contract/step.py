@@ -12,8 +12,10 @@ Invariants a worker may rely on:
 - ``finished_req_ids`` lists requests finished or aborted since the previous step; the worker drops
   them. A request is never both scheduled and in ``finished_req_ids`` in one step. It may name
   requests the worker does not hold (aborted while waiting or preempted): a worker ignores those.
-- A new request's ``num_computed_tokens`` (a prefix-cache hit) only covers blocks whose KV an
-  earlier step computed (blocks enter the prefix cache after the step that filled them).
+- A new request's ``num_computed_tokens`` (a prefix-cache hit) covers blocks whose KV an earlier
+  step computed or *this* step computes for another request (blocks enter the prefix cache when
+  they are allocated). So a worker writes the K/V of every scheduled token of a layer before any
+  attention of that layer reads the cache; it never reorders that within a step.
 - A request samples a token in a step exactly when the step's tokens reach the end of its known
   token ids (``num_computed_tokens + num_scheduled_tokens == len(all token ids)``); a partial prefill
   chunk samples nothing.

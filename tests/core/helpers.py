@@ -146,7 +146,6 @@ class FakeWorker:
             held = _HeldRequest(list(new.prompt_token_ids) + list(new.output_token_ids),
                                 len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens)
             assert new.num_computed_tokens % self.block_size == 0
-            self._check_context(held, new.num_computed_tokens)  # the prefix-cache hit holds our tokens
             self.held[new.request_id] = held
         for cached in out.scheduled_cached_reqs:
             held = self.held[cached.request_id]
@@ -162,6 +161,10 @@ class FakeWorker:
             for pos in range(held.num_computed_tokens, held.num_computed_tokens + n):
                 self.kv[held.block_ids[pos // bs] * bs + pos % bs] = (pos, held.token_ids[pos])
             held.num_computed_tokens += n
+        for new in out.scheduled_new_reqs:
+            # The prefix-cache hit holds our tokens once the batch's KV is written: a hit may name
+            # blocks another request of this very step fills (blocks are cached at allocation).
+            self._check_context(self.held[new.request_id], new.num_computed_tokens)
         for rid in out.num_scheduled_tokens:
             held = self.held[rid]
             if held.num_computed_tokens == len(held.token_ids):

@@ -57,15 +57,41 @@ def test_hit_never_covers_the_last_token():
     assert m.get_computed_blocks(one_more)[1] == 8
 
 
-def test_blocks_are_cached_only_once_computed():
+def test_full_blocks_are_cached_when_allocated_for_the_tokens_that_fill_them():
     m = make_manager()
     prompt = list(range(100, 109))
     a = make_request(prompt_token_ids=prompt, block_size=4)
-    assert m.allocate_slots(a, 9) is not None  # scheduled, not yet computed
-    assert m.get_computed_blocks(make_request(prompt_token_ids=prompt, block_size=4))[1] == 0
-    a.num_computed_tokens = 9
-    m.cache_blocks(a, 9)
+    assert m.allocate_slots(a, 6) is not None  # a first chunk: block 0 full, block 1 half
+    assert m.get_computed_blocks(make_request(prompt_token_ids=prompt, block_size=4))[1] == 4
+    a.num_computed_tokens = 6
+    assert m.allocate_slots(a, 2) == []  # fills block 1 without a new block: cached all the same
     assert m.get_computed_blocks(make_request(prompt_token_ids=prompt, block_size=4))[1] == 8
+    m.block_pool.check_invariants()
+
+
+def test_a_filler_freed_before_its_step_ran_takes_its_unwritten_blocks_out_of_the_cache():
+    """Preempted after its allocation in the same schedule(): no step writes those blocks."""
+    m = make_manager()
+    prompt = list(range(100, 113))
+    a = make_request(prompt_token_ids=prompt, block_size=4)
+    compute(m, a, 4)  # block 0 computed by an earlier step
+    assert m.allocate_slots(a, 8) is not None  # blocks 1, 2 cached, their step not run yet
+    probe = make_request(prompt_token_ids=prompt, block_size=4)
+    assert m.get_computed_blocks(probe)[1] == 12
+    block_1 = m.get_blocks(a.request_id)[1]
+    m.free(a)
+    assert m.get_computed_blocks(probe)[1] == 4  # only the written block stays a hit
+    assert block_1.block_hash is None and block_1.ref_cnt == 0
+    m.block_pool.check_invariants()
+
+
+def test_freeing_after_the_step_ran_keeps_every_computed_block_cached():
+    m = make_manager()
+    prompt = list(range(100, 113))
+    a = make_request(prompt_token_ids=prompt, block_size=4)
+    compute(m, a, 13)
+    m.free(a)
+    assert m.get_computed_blocks(make_request(prompt_token_ids=prompt + [1], block_size=4))[1] == 12
 
 
 def test_allocation_fails_without_changes_when_blocks_run_out():

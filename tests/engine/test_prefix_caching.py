@@ -1,13 +1,15 @@
-"""Prefix caching: a request sharing a 64-token prefix with an earlier one reports the hit, and the
-tokens do not depend on whether caching is on."""
+"""Prefix caching: a request sharing a prefix with an earlier one, or with one admitted in the same
+step, reports the hit, and the tokens do not depend on whether caching is on."""
 
 from __future__ import annotations
 
+import pytest
 from worker.factories import random_prompts
 
 from pagedserve import LLM, SamplingParams
 
 PREFIX_LEN = 64
+PREFIX_SHARED = 32  # the system prompt's two full 16-token blocks
 
 
 def test_shared_prefix_is_reported_and_outputs_match_without_caching(tiny_llama):
@@ -38,3 +40,26 @@ def test_repeated_prompt_hits_all_but_the_last_block(tiny_llama):
     first = llm.generate([prompt], params)[0]
     again = llm.generate([prompt], params)[0]
     assert again.num_cached_tokens == 64 and again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("budget", [None, 40])  # one step for every prompt, or chunks over steps
+@pytest.mark.parametrize("backend", ["cpu", "triton"])  # triton: under TRITON_INTERPRET=1 (tests/conftest.py)
+def test_prompts_admitted_together_share_their_prefix_and_match_caching_off(backend, budget, tiny_llama):
+    """Copies of one prompt and prompts with one system prefix, all admitted in one step: the later
+    ones hit blocks the first fills in that same forward pass, and greedy tokens do not change."""
+    system, tail_a, tail_b = random_prompts([32, 5, 7], seed=31)
+    prompts = [system + tail_a] * 3 + [system + tail_b]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = dict(skip_tokenizer_init=True, block_size=16, attention_backend=backend, device="cpu")
+    if budget is not None:
+        engine["max_num_batched_tokens"] = budget
+
+    cached = LLM(tiny_llama.path, enable_prefix_caching=True, **engine)
+    if backend == "triton":
+        assert cached.runner.attention_backend == "triton"
+    shared = cached.generate(prompts, params)
+    plain = LLM(tiny_llama.path, enable_prefix_caching=False, **engine).generate(prompts, params)
+
+    assert [o.token_ids for o in shared] == [o.token_ids for o in plain]
+    assert shared[0].num_cached_tokens == 0
+    assert [o.num_cached_tokens for o in shared[1:]] == [PREFIX_SHARED] * 3
