@@ -11,6 +11,7 @@ from servicekit.flags import (
     check_port,
     drain_grace_setting,
     key_prefix_setting,
+    output_ttl_setting,
     redis_url_setting,
     setting,
     tls_ca_setting,
@@ -43,8 +44,7 @@ class GatewaySettings:
     key_prefix: str = key_prefix_setting()
     max_queued_requests: int = setting(
         1024, help="requests waiting in Redis beyond which Generate answers RESOURCE_EXHAUSTED (0: no limit)")
-    output_ttl_s: int = setting(600, help="output streams expire this many seconds after their last entry "
-                                          "(resume window)")
+    output_ttl_s: int = output_ttl_setting()
     registry_refresh_s: float = setting(2.0, help="worker registry re-read period")
     read_block_ms: int = setting(1000, help="longest blocking XREAD of the output fan-out loop")
     redis_outage_s: float = setting(10.0, help="live streams fail with UNAVAILABLE (the SDK resumes them) after "

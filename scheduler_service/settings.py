@@ -15,6 +15,7 @@ from servicekit.flags import (
     drain_grace_setting,
     internal_token_setting,
     key_prefix_setting,
+    output_ttl_setting,
     metrics_port_setting,
     redis_url_setting,
     setting,
@@ -62,8 +63,7 @@ class SchedulerSettings:
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
     max_queued_per_worker: int = setting(
         0, help="requests pulled per worker beyond its batch (0: as many as max-num-seqs)")
-    output_ttl_s: int = setting(600, help="output streams expire this many seconds after their last entry "
-                                          "(resume window)")
+    output_ttl_s: int = output_ttl_setting()
     discovery_interval_s: float = setting(2.0, help="registry scan / reconnect period")
     poll_block_ms: int = setting(1000, help="longest blocking Redis read (bounds shutdown latency)")
     # Fault tolerance (README "Scaling and fault tolerance").

@@ -157,6 +157,11 @@ def check_port(name: str, port: int, *, allow_off: bool = False) -> None:
         raise ValueError(f"{name}: must be in [{low}, 65536), got {port}")
 
 
+def output_ttl_setting() -> Any:
+    """One setting for gateways (which set it at admission) and schedulers (which keep it on write)."""
+    return setting(600, help="output streams expire this many seconds after their last entry (resume window)")
+
+
 def drain_grace_setting() -> Any:
     return setting(30.0, help="on SIGTERM, seconds in-flight work may take to finish before the server stops")
 
