@@ -4,8 +4,8 @@ One process loads the model once (the in-process engine: ``pagedserve.LLM``'s sc
 runner, the same pair the scheduler service drives over gRPC) and runs phases, each with a fresh
 scheduler over the same runner and prefix caching off (nothing is reused between phases):
 
-- ``alone-old`` / ``alone-new``: the long prompt alone, with the old defaults (no shared-prefill cap)
-  and the new ones: its time to finish alone.
+- ``alone-old`` / ``alone-new``: the long prompt alone, with the old defaults (no shared-prefill cap,
+  no attention cap) and the new ones: its time to finish alone.
 - ``shared-old`` / ``shared-new``: the long prompt at t=0 plus a stream of short requests, one every
   ``--short-interval-s`` seconds until the long one finishes: the short ones' TTFT p50/p99/max and
   the long prompt's time to finish, old defaults vs new.
@@ -44,7 +44,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) -> dict:
-    from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
+    from scheduler_service.core.config import (
+        DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
+        DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+        SchedulerConfig,
+    )
     from scheduler_service.core.request import Request
     from scheduler_service.core.scheduler import Scheduler
     from servicekit.contract.sampling_params import SamplingParams
@@ -52,7 +56,10 @@ def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) 
     new = phase.endswith("-new")
     threshold = (args.shared_threshold if args.shared_threshold is not None
                  else DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD) if new else 0
-    config = SchedulerConfig(enable_prefix_caching=False, shared_prefill_token_threshold=threshold)
+    attention_limit = (args.attention_limit if args.attention_limit is not None
+                       else DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT) if new else 0
+    config = SchedulerConfig(enable_prefix_caching=False, shared_prefill_token_threshold=threshold,
+                             prefill_chunk_attention_limit=attention_limit)
     scheduler = Scheduler(config, runner.info, seed_rng=random.Random(0))
     vocab = runner.info.vocab_size
 
@@ -99,6 +106,7 @@ def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) 
     result = {
         "phase": phase,
         "shared_prefill_token_threshold": threshold,
+        "prefill_chunk_attention_limit": attention_limit,
         "long_seconds": long_done,
         "num_steps": len(step_times),
         "max_step_seconds": max(step_times),
@@ -124,7 +132,8 @@ def plot(report: dict, path: Path) -> None:
         p = phases.get(name)
         if p and p.get("short_ttfts"):
             ax_ttft.plot(p["short_arrivals"], p["short_ttfts"], style, label=(
-                f"{name} (cap {p['shared_prefill_token_threshold']}): p50 {p['short_ttft_p50']:.2f}s, "
+                f"{name} (cap {p['shared_prefill_token_threshold']}, "
+                f"attention limit {p.get('prefill_chunk_attention_limit', 0)}): p50 {p['short_ttft_p50']:.2f}s, "
                 f"p99 {p['short_ttft_p99']:.2f}s"))
     ax_ttft.axhline(2.0, color="grey", linestyle="--", linewidth=1, label="goal: p99 < 2 s")
     ax_ttft.set_xlabel("short request arrival (s after the long prompt)")
@@ -154,6 +163,8 @@ def main() -> None:
     parser.add_argument("--short-interval-s", type=float, default=1.0)
     parser.add_argument("--shared-threshold", type=int, default=None,
                         help="the new phases' shared_prefill_token_threshold (default: the scheduler default)")
+    parser.add_argument("--attention-limit", type=int, default=None,
+                        help="the new phases' prefill_chunk_attention_limit (default: the scheduler default)")
     parser.add_argument("--max-seconds", type=float, default=300.0,
                         help="a phase takes no new short request after this many seconds")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {PHASES}")

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
-from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
+from scheduler_service.core.config import (
+    DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
+    DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+    SchedulerConfig,
+)
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
@@ -90,7 +94,8 @@ class LLM:
     ``seed`` (draws the seeds of requests that come without one), ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``shared_prefill_token_threshold`` (a
-    prefill chunk's cap while other requests wait or run), ``policy``, ``kv_cache_memory``
+    prefill chunk's cap while other requests wait or run), ``prefill_chunk_attention_limit`` (key positions
+    one chunk attends, tokens x context), ``policy``, ``kv_cache_memory``
     ("2GiB"), ``gpu_memory_fraction``, ``num_blocks`` (overrides the memory budget),
     ``attention_backend`` (auto | torch | cpu | triton), ``tokenizer`` (another name to load the tokenizer
     from), ``skip_tokenizer_init`` (token-id prompts only; ``text`` stays empty), ``hf_model`` (an
@@ -113,6 +118,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+        prefill_chunk_attention_limit: int = DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
         policy: str = "fcfs",
         kv_cache_memory: str | int | None = None,
         gpu_memory_fraction: float = 0.9,
@@ -129,6 +135,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
             shared_prefill_token_threshold=shared_prefill_token_threshold,
+            prefill_chunk_attention_limit=prefill_chunk_attention_limit,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             policy=policy,

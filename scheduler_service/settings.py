@@ -8,7 +8,11 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
+from scheduler_service.core.config import (
+    DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
+    DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
+    POLICIES,
+)
 from servicekit import redis_client
 from servicekit.flags import (
     check_port,
@@ -56,8 +60,12 @@ class SchedulerSettings:
     long_prefill_token_threshold: int = setting(0, help="cap of one prefill chunk (0: off)")
     shared_prefill_token_threshold: int = setting(
         DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-        help="cap of one prefill chunk while other requests wait for their first token, for fair time to first "
-             "token (0: off)")
+        help="cap of one prefill chunk while other requests wait or run, for fair time to first token and "
+             "steady decoding (0: off)")
+    prefill_chunk_attention_limit: int = setting(
+        DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
+        help="key positions one prefill chunk attends in all (tokens x context): a long prompt's later chunks "
+             "shrink so a step stays short at any context (0: off)")
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
@@ -100,7 +108,7 @@ class SchedulerSettings:
         RedisKeys(self.key_prefix)
         self.tls.check(server=False)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                     "shared_prefill_token_threshold", "max_queued_per_worker"):
+                     "shared_prefill_token_threshold", "prefill_chunk_attention_limit", "max_queued_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.policy not in POLICIES:

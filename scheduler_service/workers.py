@@ -341,6 +341,7 @@ class WorkerPool:
             max_num_seqs=min(s.max_num_seqs or description.max_num_seqs, description.max_num_seqs),
             long_prefill_token_threshold=s.long_prefill_token_threshold,
             shared_prefill_token_threshold=s.shared_prefill_token_threshold,
+            prefill_chunk_attention_limit=s.prefill_chunk_attention_limit,
             enable_chunked_prefill=s.enable_chunked_prefill,
             enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
         try:

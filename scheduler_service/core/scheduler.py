@@ -7,11 +7,12 @@ randomness except from the ``seed_rng`` it was handed (DESIGN.md decision 1).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.config import MIN_PREFILL_CHUNK_TOKENS, SchedulerConfig
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.request_queue import create_request_queue
@@ -124,7 +125,9 @@ class Scheduler:
         The plan is a diff (see ``outputs``): new and resumed requests in full, running ones as new
         block ids. Each scheduled request gets ``num_tokens - num_computed_tokens`` tokens, cut by
         ``long_prefill_token_threshold``, by ``shared_prefill_token_threshold`` when the step is
-        shared (another request waits or runs), and by what is left of the budget.
+        shared (another request waits or runs), by ``prefill_chunk_attention_limit`` (the key positions
+        a chunk attends grow with its context: see :meth:`_attention_cap`), and by what is left of the
+        budget.
         """
         cfg = self.config
         kv = self.kv_cache_manager
@@ -143,6 +146,8 @@ class Scheduler:
             n = len(request.all_token_ids) - request.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
+            if n > 1:
+                n = self._attention_cap(request.num_computed_tokens, n)
             if n > budget:
                 n = budget
             new_blocks = kv.allocate_slots(request, n)
@@ -176,6 +181,8 @@ class Scheduler:
             n = request.num_tokens - num_computed
             if 0 < threshold < n:
                 n = threshold
+            if n > 1:
+                n = self._attention_cap(num_computed, n)
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break  # the whole prompt must fit: it waits for a step with room
@@ -265,28 +272,30 @@ class Scheduler:
 
     def _chunk_threshold(self) -> int:
         """The most tokens one request computes this step (0 = no cap): the hard cap, tightened to
-        the shared cap while two or more requests still wait for their first token (waiting, or
-        prefilling), so a long prompt's chunks keep the step short and leave room for the others'
-        prompts. A prompt alone, or beside requests that only decode, keeps the whole budget."""
+        the shared cap while another request waits or runs, so a long prompt's chunks keep the step
+        short for newcomers' first tokens and for decoding requests' next ones. A prompt alone keeps
+        the whole budget (still within the attention cap)."""
         cfg = self.config
         if not cfg.enable_chunked_prefill:
             return 0
         threshold = cfg.long_prefill_token_threshold
         shared = cfg.shared_prefill_token_threshold
-        if shared and not 0 < threshold <= shared and self._num_awaiting_first_token(limit=2) >= 2:
+        if shared and not 0 < threshold <= shared and len(self.running) + len(self.waiting) >= 2:
             threshold = shared
         return threshold
 
-    def _num_awaiting_first_token(self, limit: int) -> int:
-        """Requests that still have more than one token to compute (waiting ones, or prefilling),
-        counted up to ``limit``."""
-        count = min(len(self.waiting), limit)
-        for request in self.running:
-            if count >= limit:
-                break
-            if request.num_tokens - request.num_computed_tokens > 1:
-                count += 1
-        return count
+    def _attention_cap(self, context: int, n: int) -> int:
+        """``n`` cut so that a chunk after ``context`` cached tokens attends at most
+        ``prefill_chunk_attention_limit`` key positions in all (token ``i`` of the chunk attends
+        ``context + i + 1``: ``m * context + m * (m + 1) / 2`` for ``m`` tokens), never below
+        ``MIN_PREFILL_CHUNK_TOKENS``. Attention is what grows with the context; the token caps bound
+        the rest of the step. Without chunked prefill a prompt goes whole."""
+        limit = self.config.prefill_chunk_attention_limit
+        if not limit or not self.config.enable_chunked_prefill:
+            return n
+        b = 2 * context + 1  # the largest m with m*m + b*m <= 2*limit
+        m = (math.isqrt(b * b + 8 * limit) - b) // 2
+        return min(n, max(m, MIN_PREFILL_CHUNK_TOKENS))
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:
