@@ -2,6 +2,8 @@
 process on the same requests.
 
     python benchmarks/serve.py --start-stack --model smollm2-135m --num-requests 200 --llm
+    python benchmarks/serve.py --start-stack --llm --num-requests 64 --input-len 256 --output-len 128 \
+        --range-ratio 0.5 --torch-threads 2 --rounds 3     # issue 15's served-vs-in-process check
     python benchmarks/serve.py --address 127.0.0.1:50051 --request-rate 8
     python benchmarks/serve.py --start-stack --backend both     # gRPC SDK vs OpenAI HTTP API
     python benchmarks/serve.py --http-url http://127.0.0.1:8000/v1 --backend openai
@@ -68,9 +70,9 @@ def make_requests(n: int, input_len: int, output_len: int, range_ratio: float, v
             for i in range(n)]
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:  # not measured (the in-process engine has no chunk gaps): None, never a fake 0
+        return {"mean": None, "median": None, "p99": None}
     ordered = sorted(values)
     p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
     return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
@@ -79,7 +81,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 def summarize(name: str, results: list[RequestResult], duration: float) -> dict:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
-    # Offline runs (ttft 0) have no per-token timing: their TPOT / TTFT / ITL stay empty.
+    # The in-process engine gives TTFT and E2E per request but no chunk gaps: its ITL stays empty.
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1 and r.ttft > 0]
     return {
         "name": name, "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
@@ -175,21 +177,57 @@ async def run_openai(base_url: str, model: str, requests: list[BenchRequest], ra
         return await drive(requests, rate, seed, chunks)
 
 
-def run_llm(model: str, requests: list[BenchRequest], temperature: float, engine_options: dict
-            ) -> tuple[list[RequestResult], float]:
-    """All requests at once through the offline engine (only throughput and e2e are meaningful)."""
+def load_llm(model: str, engine_options: dict):
+    """The in-process engine, warmed up (one tiny request)."""
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(model, **engine_options)
-    llm.generate([[requests[0].prompt_token_ids[0]]], SamplingParams(max_tokens=2))  # warm-up
+    llm.generate([[1000]], SamplingParams(max_tokens=2))
+    return llm
+
+
+def run_llm(llm, requests: list[BenchRequest], temperature: float) -> tuple[list[RequestResult], float]:
+    """All requests at once through the in-process engine; TTFT, TPOT and E2E from each output's
+    ``metrics`` (end of the step that produced the token, as the stack's client sees its chunk)."""
+    from pagedserve import SamplingParams
+
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature, seed=r.seed)
               for r in requests]
     started = time.perf_counter()
     outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
     duration = time.perf_counter() - started
-    results = [RequestResult(ok=len(o.token_ids) == r.max_tokens, prompt_len=len(r.prompt_token_ids),
-                             output_tokens=len(o.token_ids), e2e=duration) for o, r in zip(outputs, requests)]
+    results = []
+    for o, r in zip(outputs, requests):
+        m = o.metrics
+        result = RequestResult(ok=len(o.token_ids) == r.max_tokens, prompt_len=len(r.prompt_token_ids),
+                               output_tokens=len(o.token_ids))
+        if m is not None and m.first_token_time is not None:
+            result.ttft = m.first_token_time - m.arrival_time
+            result.e2e = (m.finished_time or m.last_token_time) - m.arrival_time
+        results.append(result)
     return results, duration
+
+
+class CpuAccount:
+    """CPU seconds (user + system) each process of the run spent from now on: the stack's services
+    (when this script started them) and this client. On a 2-core machine every second the others
+    spend is a second the worker's GEMMs wait for."""
+
+    def __init__(self, stack) -> None:
+        import psutil
+
+        self._procs = {"client (this benchmark)": psutil.Process()}
+        for child in stack.children if stack is not None else []:
+            self._procs[child.name] = psutil.Process(child.proc.pid)
+        self._start = {name: self._total(p) for name, p in self._procs.items()}
+
+    @staticmethod
+    def _total(proc) -> float:
+        t = proc.cpu_times()
+        return t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+
+    def seconds(self) -> dict[str, float]:
+        return {name: round(self._total(p) - self._start[name], 2) for name, p in self._procs.items()}
 
 
 def report(summary: dict) -> str:
@@ -199,8 +237,14 @@ def report(summary: dict) -> str:
              f"output token throughput  {summary['output_token_throughput']:.1f} tok/s"]
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
         p = summary[key]
+        if p["mean"] is None:
+            lines.append(f"{label:<5} ms  (not measured)")
+            continue
         lines.append(f"{label:<5} ms  mean {p['mean'] * 1e3:8.1f}  median {p['median'] * 1e3:8.1f}  "
                      f"p99 {p['p99'] * 1e3:8.1f}")
+    if summary.get("cpu_seconds"):
+        lines.append("CPU seconds during the run: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["cpu_seconds"].items())
+                     + f" (wall {summary['duration_s']:.1f} s x {os.cpu_count()} CPUs)")
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")
     return "\n".join(lines)
@@ -248,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llm", action="store_true", help="also run pagedserve.LLM on the same requests")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="intra-op threads for the worker and the in-process engine alike (0: torch's default)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the runs this many times, alternating stack and --llm on fresh prompts "
+                             "(the machine's speed drifts between runs: the median pair compares fairly)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = parser.parse_args(argv)
@@ -264,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = make_requests(args.num_requests, args.input_len, args.output_len, args.range_ratio, vocab_size,
                              args.seed)
     summaries = []
+    pairs: list[float] = []  # stack / in-process output-token throughput, per round
     stack = None
     if args.http_url:
         args.backend = "openai"
@@ -283,42 +331,62 @@ def main(argv: list[str] | None = None) -> int:
                                        worker_args=worker_args))
             address = stack.start()
             http_url = f"http://127.0.0.1:{http_port}/v1"
+        llm = None
+        if args.llm:  # loaded now, so the rounds below alternate the stack and it on the same machine state
+            if args.torch_threads:
+                import torch
+
+                torch.set_num_threads(args.torch_threads)
+            llm = load_llm(args.model, engine_options)
         print(f"load average before: {os.getloadavg()}", flush=True)
-        if args.backend in ("grpc", "both"):
-            results, duration = asyncio.run(run_stack(address, requests, args.request_rate, args.temperature,
-                                                      args.seed))
-            summaries.append(summarize("stack (gRPC SDK)", results, duration))
-            print(report(summaries[-1]), flush=True)
-        if args.backend in ("openai", "both"):
-            http_requests = fresh_tokens(requests, vocab_size, args.seed + 1) if args.backend == "both" else requests
-            served_name = args.model if args.http_url is None else _served_model(http_url)
-            results, duration = asyncio.run(run_openai(http_url, served_name, http_requests, args.request_rate,
-                                                       args.temperature, args.seed))
-            summaries.append(summarize("stack (OpenAI HTTP)", results, duration))
-            print(report(summaries[-1]), flush=True)
-        if args.backend == "both":
-            grpc_run, http_run = summaries[-2], summaries[-1]
-            print(f"HTTP / gRPC output-token throughput: "
-                  f"{http_run['output_token_throughput'] / max(grpc_run['output_token_throughput'], 1e-9):.1%}; "
-                  f"median TTFT {http_run['ttft_s']['median'] * 1e3:.1f} ms vs {grpc_run['ttft_s']['median'] * 1e3:.1f} ms "
-                  f"(goal: HTTP within 10%)")
+        for round_index in range(args.rounds):
+            # Each round's prompts are new to both (no prefix-cache hits on an earlier round's).
+            round_requests = requests if round_index == 0 else fresh_tokens(requests, vocab_size,
+                                                                            args.seed + 100 + round_index)
+            label = f" round {round_index + 1}" if args.rounds > 1 else ""
+            if args.backend in ("grpc", "both"):
+                cpu = CpuAccount(stack)
+                results, duration = asyncio.run(run_stack(address, round_requests, args.request_rate,
+                                                          args.temperature, args.seed))
+                summaries.append(summarize("stack (gRPC SDK)" + label, results, duration))
+                summaries[-1]["cpu_seconds"] = cpu.seconds()
+                print(report(summaries[-1]), flush=True)
+            if args.backend in ("openai", "both"):
+                http_requests = (fresh_tokens(round_requests, vocab_size, args.seed + 1) if args.backend == "both"
+                                 else round_requests)
+                served_name = args.model if args.http_url is None else _served_model(http_url)
+                results, duration = asyncio.run(run_openai(http_url, served_name, http_requests,
+                                                           args.request_rate, args.temperature, args.seed))
+                summaries.append(summarize("stack (OpenAI HTTP)" + label, results, duration))
+                print(report(summaries[-1]), flush=True)
+            if args.backend == "both":
+                grpc_run, http_run = summaries[-2], summaries[-1]
+                print(f"HTTP / gRPC output-token throughput: "
+                      f"{http_run['output_token_throughput'] / max(grpc_run['output_token_throughput'], 1e-9):.1%}; "
+                      f"median TTFT {http_run['ttft_s']['median'] * 1e3:.1f} ms vs "
+                      f"{grpc_run['ttft_s']['median'] * 1e3:.1f} ms (goal: HTTP within 10%)")
+            if llm is not None:
+                served = summaries[-1]
+                cpu = CpuAccount(None)
+                llm_results, llm_duration = run_llm(llm, round_requests, args.temperature)
+                summaries.append(summarize("LLM (in-process)" + label, llm_results, llm_duration))
+                summaries[-1]["cpu_seconds"] = cpu.seconds()
+                print(report(summaries[-1]))
+                ratio = served["output_token_throughput"] / max(summaries[-1]["output_token_throughput"], 1e-9)
+                pairs.append(ratio)
+                print(f"stack / in-process output-token throughput{label}: {ratio:.1%} (goal >= 95%)", flush=True)
+        if len(pairs) > 1:
+            print(f"stack / in-process over {len(pairs)} rounds: " + ", ".join(f"{r:.1%}" for r in pairs)
+                  + f"; median {statistics.median(pairs):.1%} (goal >= 95%)")
         print(f"load average after: {os.getloadavg()}", flush=True)
     finally:
         if stack is not None:
             stack.stop()
-    if args.llm:
-        if args.torch_threads:
-            import torch
-
-            torch.set_num_threads(args.torch_threads)
-        llm_results, llm_duration = run_llm(args.model, requests, args.temperature, engine_options)
-        summaries.append(summarize("LLM (in-process)", llm_results, llm_duration))
-        print(report(summaries[-1]))
-        ratio = summaries[0]["output_token_throughput"] / max(summaries[-1]["output_token_throughput"], 1e-9)
-        print(f"stack / in-process output-token throughput: {ratio:.1%} (goal >= 90%)")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"serve-{Path(args.model).name}-n{args.num_requests}-r{args.request_rate}{'-' + args.tag if args.tag else ''}"
     payload = {"config": vars(args), "results": summaries}
+    if pairs:
+        payload["stack_over_in_process"] = {"rounds": pairs, "median": statistics.median(pairs)}
     (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
     plot(results, args.out / f"{stem}.png")
     print(f"wrote {args.out / (stem + '.json')}")

@@ -16,6 +16,7 @@ _LAZY = {
     "AsyncClient": "pagedserve.aio_client",
     "Client": "pagedserve.client",
     "LLM": "pagedserve.llm",
+    "RequestMetrics": "pagedserve.llm",
     "RequestOutput": "pagedserve.llm",
     "SamplingParams": "servicekit.contract.sampling_params",
 }
@@ -25,7 +26,7 @@ __all__ = sorted(_LAZY)
 if TYPE_CHECKING:
     from pagedserve.aio_client import AsyncClient
     from pagedserve.client import Client
-    from pagedserve.llm import LLM, RequestOutput
+    from pagedserve.llm import LLM, RequestMetrics, RequestOutput
     from servicekit.contract.sampling_params import SamplingParams
 
 

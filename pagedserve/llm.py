@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -36,6 +37,18 @@ _TQDM_MIN_PROMPTS = 64  # use_tqdm=None shows a progress bar from this many prom
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When a request's milestones happened, in ``time.monotonic()`` seconds (vLLM's
+    ``RequestOutput.metrics``): time to first token is ``first_token_time - arrival_time``, time per
+    output token after it ``(last_token_time - first_token_time) / (len(token_ids) - 1)``."""
+
+    arrival_time: float  # added to the scheduler
+    first_token_time: float | None = None  # the step that produced its first output token ended
+    last_token_time: float | None = None  # ... its last output token
+    finished_time: float | None = None  # it finished (or was aborted)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """The result of one prompt."""
 
@@ -48,6 +61,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per output token when SamplingParams.logprobs is set
     stop_string: str = ""  # the stop string that ended the output, if one did (never in ``text``)
+    metrics: RequestMetrics | None = None  # timings (None only for outputs built elsewhere)
 
 
 @dataclass(slots=True)
@@ -61,6 +75,7 @@ class _Pending:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     stop_string: str = ""
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def add(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
         """Take one step's tokens; True when a stop string ended the output (the tokens after the one
@@ -259,12 +274,17 @@ class LLM:
                 if scheduler_output.is_empty and not self.scheduler.has_unfinished_requests():
                     break
                 runner_output = self.runner.execute_model(scheduler_output)
+                now = time.monotonic()
                 stopped: list[str] = []
                 for out in self.scheduler.update_from_output(scheduler_output, runner_output):
                     state = pending.get(out.request_id)
                     if state is None or state.finish_reason is not None:
                         continue
                     state.num_cached_tokens = out.num_cached_tokens
+                    if out.new_token_ids:
+                        if state.metrics.first_token_time is None:
+                            state.metrics.first_token_time = now
+                        state.metrics.last_token_time = now
                     if state.add(out.new_token_ids, out.new_logprobs):
                         state.finish("stop")
                         if not out.finished:
@@ -272,6 +292,7 @@ class LLM:
                     elif out.finished:
                         state.finish(str(out.finish_reason))
                     if state.finish_reason is not None:
+                        state.metrics.finished_time = now
                         remaining -= 1
                         if bar is not None:
                             bar.update(1)
@@ -294,4 +315,5 @@ class LLM:
             num_cached_tokens=state.num_cached_tokens,
             logprobs=state.logprobs,
             stop_string=state.stop_string,
+            metrics=state.metrics,
         )

@@ -41,14 +41,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     and the last drop has run."""
 
     def __init__(self, runner: StepRunner, *, worker_id: str, max_num_seqs: int,
-                 max_num_batched_tokens: int, step_delay_s: float = 0.0) -> None:
+                 max_num_batched_tokens: int, step_delay_s: float = 0.0,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self._runner = runner
         self._step_delay_s = step_delay_s  # testing knob: throttles generation (chaos tests)
         self._info = runner.info
         self._worker_id = worker_id
         self._max_num_seqs = max_num_seqs
         self._max_num_batched_tokens = max_num_batched_tokens
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
+        # The one thread the runner runs on (the one that loaded it, when given: see WorkerApp.start).
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-runner")
         self._live: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()

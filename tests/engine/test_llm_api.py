@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from worker.factories import hf_greedy, random_prompts
@@ -34,6 +36,21 @@ def test_per_prompt_params_and_stop_tokens(llm, tiny_llama):
     assert len(outputs[1].token_ids) == 2 and outputs[1].finish_reason == "length"
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([p1, p2], [SamplingParams()])
+
+
+def test_each_output_carries_its_timings(llm):
+    """TTFT and TPOT of the in-process engine come from ``RequestOutput.metrics`` (benchmarks/serve.py --llm)."""
+    short, long = random_prompts([4, 40], seed=4)
+    before = time.monotonic()
+    outputs = llm.generate([short, long], [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                           SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    after = time.monotonic()
+    for out in outputs:
+        m = out.metrics
+        assert before <= m.arrival_time < m.first_token_time <= m.last_token_time <= m.finished_time <= after
+    quick, slow = (o.metrics for o in outputs)
+    assert quick.finished_time < slow.finished_time  # 2 tokens end steps before 6 do
+    assert slow.first_token_time < slow.last_token_time  # five more steps after the first token
 
 
 def test_logprobs_one_per_token(llm):
