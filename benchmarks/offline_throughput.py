@@ -94,7 +94,8 @@ class PeakRSS:
         return [round(self.load_before, 2), round(self.load_after, 2)]
 
 
-def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Namespace) -> dict:
+def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Namespace,
+                   dtype: str | None = None) -> dict:
     from pagedserve import LLM, SamplingParams
     from worker_service import cpu_memory
 
@@ -102,7 +103,7 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
     t0 = time.perf_counter()
     llm = LLM(model, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              attention_backend=args.attention_backend, dtype=args.dtype, skip_tokenizer_init=True)
+              attention_backend=args.attention_backend, dtype=dtype or args.dtype, skip_tokenizer_init=True)
     init_s = time.perf_counter() - t0
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     profiling = step_profile.install(llm) if args.profile else nullcontext()
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kv-cache-memory", default="1536MiB", help="enough for the default workload without preemption")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--compare-dtype", default="",
+                   help="also run pagedserve in this dtype (e.g. float32) in the same run, and print the ratio")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     p.add_argument("--profile", action="store_true",
                    help="time pagedserve's step by part (GEMM, attention, KV writes, sampling, worker and "
@@ -303,6 +306,14 @@ def main(argv: list[str] | None = None) -> dict:
             model_cfg, [(len(r.prompt_token_ids), r.output_len) for r in requests], gemm,
             result["pagedserve"]["output_tokens_per_s"])
         print(describe(result["pagedserve"]["compute_limit"], result["dtype"]))
+    if args.compare_dtype:
+        gc.collect()
+        other = run_pagedserve(args.model, requests, args, dtype=args.compare_dtype)
+        result["pagedserve_compare"] = other
+        result["vs_compare_dtype"] = round(result["pagedserve"]["output_tokens_per_s"] / other["output_tokens_per_s"], 2)
+        print(f"pagedserve ({other['dtype']}): {other['output_tokens_per_s']} output tok/s ({other['generate_s']} s, "
+              f"peak RSS {other['peak_rss_bytes'] / 2**30:.2f} GiB, load average {other['load_average_before_after']}); "
+              f"{result['pagedserve']['dtype']} / {other['dtype']}: {result['vs_compare_dtype']}x")
     if "hf_static" in result:
         result["speedup"] = round(result["pagedserve"]["output_tokens_per_s"] / result["hf_static"]["output_tokens_per_s"], 2)
         print(f"speedup: {result['speedup']}x")

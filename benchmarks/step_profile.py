@@ -105,8 +105,6 @@ def _patched(targets: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[Non
 @contextmanager
 def install(llm: Any) -> Iterator[StepProfile]:
     """Profile ``llm`` (a ``pagedserve.LLM``) inside the block; yields the accumulating profile."""
-    import kernels.reference as reference
-
     runner, scheduler = llm.runner, llm.scheduler
     backend = runner.attention_backend
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
@@ -128,16 +126,13 @@ def install(llm: Any) -> Iterator[StepProfile]:
         (runner.model, "compute_logits", w("logits (LM-head GEMM + fp32)", runner.model.compute_logits)),
         (runner, "sampler", w("sampler", runner.sampler)),
     ]
-    if backend in ("torch", "cpu"):
-        # Both run prefill chunks through the reference's SDPA path and decode rows through a
-        # decode function the op looks up at call time: the reference's, or the C kernel's.
-        targets.append((reference, "_prefill", w(f"attention prefill ({backend}: SDPA)", reference._prefill)))
-        if backend == "cpu":
-            import kernels.cpu as cpu
+    if backend == "cpu":
+        # The tuned CPU path runs prefill chunks through SDPA and decode rows through the C kernel
+        # (or its torch fallback), both looked up in kernels.cpu at call time.
+        import kernels.cpu as cpu
 
-            targets.append((cpu, "_native_decode", w("attention decode (cpu: C kernel)", cpu._native_decode)))
-        else:
-            targets.append((reference, "_decode", w("attention decode (torch: gather + SDPA)", reference._decode)))
+        targets.append((cpu, "_prefill", w("attention prefill (cpu: gather + SDPA)", cpu._prefill)))
+        targets.append((cpu, "_native_decode", w("attention decode (cpu: C kernel)", cpu._native_decode)))
     with _patched(targets):
         yield profile
 
