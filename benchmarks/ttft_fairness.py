@@ -44,11 +44,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) -> dict:
-    from scheduler_service.core.config import (
-        DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
-        DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-        SchedulerConfig,
-    )
+    from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
     from scheduler_service.core.request import Request
     from scheduler_service.core.scheduler import Scheduler
     from servicekit.contract.sampling_params import SamplingParams
@@ -57,7 +53,7 @@ def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) 
     threshold = (args.shared_threshold if args.shared_threshold is not None
                  else DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD) if new else 0
     attention_limit = (args.attention_limit if args.attention_limit is not None
-                       else DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT) if new else 0
+                       else runner.info.prefill_chunk_attention_limit) if new else 0
     config = SchedulerConfig(enable_prefix_caching=False, shared_prefill_token_threshold=threshold,
                              prefill_chunk_attention_limit=attention_limit)
     scheduler = Scheduler(config, runner.info, seed_rng=random.Random(0))
@@ -164,7 +160,7 @@ def main() -> None:
     parser.add_argument("--shared-threshold", type=int, default=None,
                         help="the new phases' shared_prefill_token_threshold (default: the scheduler default)")
     parser.add_argument("--attention-limit", type=int, default=None,
-                        help="the new phases' prefill_chunk_attention_limit (default: the scheduler default)")
+                        help="the new phases' prefill_chunk_attention_limit (default: what the model runner states)")
     parser.add_argument("--max-seconds", type=float, default=300.0,
                         help="a phase takes no new short request after this many seconds")
     parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {PHASES}")

@@ -14,15 +14,11 @@ import itertools
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
-from scheduler_service.core.config import (
-    DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
-    DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-    SchedulerConfig,
-)
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
@@ -110,7 +106,7 @@ class LLM:
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``shared_prefill_token_threshold`` (a
     prefill chunk's cap while other requests wait or run), ``prefill_chunk_attention_limit`` (key positions
-    one chunk attends, tokens x context), ``policy``, ``kv_cache_memory``
+    one chunk attends, tokens x context; None: the model runner's, 1048576 on a CPU, none on CUDA), ``policy``, ``kv_cache_memory``
     ("2GiB"), ``gpu_memory_fraction``, ``num_blocks`` (overrides the memory budget),
     ``attention_backend`` (auto | torch | cpu | triton), ``tokenizer`` (another name to load the tokenizer
     from), ``skip_tokenizer_init`` (token-id prompts only; ``text`` stays empty), ``hf_model`` (an
@@ -133,7 +129,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-        prefill_chunk_attention_limit: int = DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
+        prefill_chunk_attention_limit: int | None = None,
         policy: str = "fcfs",
         kv_cache_memory: str | int | None = None,
         gpu_memory_fraction: float = 0.9,
@@ -150,7 +146,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
             shared_prefill_token_threshold=shared_prefill_token_threshold,
-            prefill_chunk_attention_limit=prefill_chunk_attention_limit,
+            # the model runner's word (below) unless given; 0 until then, validated now
+            prefill_chunk_attention_limit=prefill_chunk_attention_limit or 0,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             policy=policy,
@@ -160,8 +157,11 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks,
             attention_backend=attention_backend,
+            prefill_chunk_attention_limit=-1 if prefill_chunk_attention_limit is None else prefill_chunk_attention_limit,
         )
         self.runner = ModelRunner(runner_config, hf_model=hf_model)
+        self.scheduler_config = replace(self.scheduler_config,
+                                        prefill_chunk_attention_limit=self.runner.info.prefill_chunk_attention_limit)
         self.scheduler = Scheduler(self.scheduler_config, self.runner.info, seed_rng=random.Random(seed))
         # without a tokenizer, prompts must be token ids and outputs carry no text
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)

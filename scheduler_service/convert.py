@@ -30,7 +30,8 @@ def worker_description_from_pb(msg: worker_pb2.DescribeResponse) -> WorkerDescri
     return WorkerDescription(
         model=msg.model, num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids), max_num_seqs=msg.max_num_seqs,
-        max_num_batched_tokens=msg.max_num_batched_tokens, worker_id=msg.worker_id)
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        prefill_chunk_attention_limit=msg.prefill_chunk_attention_limit, worker_id=msg.worker_id)
 
 
 def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.StepRequest:

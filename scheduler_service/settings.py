@@ -8,11 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from scheduler_service.core.config import (
-    DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
-    DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-    POLICIES,
-)
+from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, POLICIES
 from servicekit import redis_client
 from servicekit.flags import (
     check_port,
@@ -63,9 +59,9 @@ class SchedulerSettings:
         help="cap of one prefill chunk while other requests wait or run, for fair time to first token and "
              "steady decoding (0: off)")
     prefill_chunk_attention_limit: int = setting(
-        DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
-        help="key positions one prefill chunk attends in all (tokens x context): a long prompt's later chunks "
-             "shrink so a step stays short at any context (0: off)")
+        -1, help="key positions one prefill chunk attends in all (tokens x context): a long prompt's later chunks "
+                 "shrink so a step stays short at any context (-1: what each worker states, 1048576 on a CPU, "
+                 "none on a GPU; 0: off)")
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
@@ -108,9 +104,12 @@ class SchedulerSettings:
         RedisKeys(self.key_prefix)
         self.tls.check(server=False)
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-                     "shared_prefill_token_threshold", "prefill_chunk_attention_limit", "max_queued_per_worker"):
+                     "shared_prefill_token_threshold", "max_queued_per_worker"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.prefill_chunk_attention_limit < -1:
+            raise ValueError(f"prefill_chunk_attention_limit: must be -1 (each worker's), 0 (off) or positive, "
+                             f"got {self.prefill_chunk_attention_limit}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
         check_port("port", self.port)

@@ -54,6 +54,23 @@ CONNECT_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 2.0
 
 
+
+def scheduler_config_for(settings: SchedulerSettings, worker: WorkerDescription) -> SchedulerConfig:
+    """How to batch for ``worker``: this scheduler's settings within what the worker states (its
+    batch and step limits are maxima; 0 in a setting means the worker's), and its attention cap per
+    prefill chunk unless the settings give one (-1: the worker's, which depends on its device)."""
+    s = settings
+    return SchedulerConfig(
+        max_num_batched_tokens=min(s.max_num_batched_tokens or worker.max_num_batched_tokens,
+                                   worker.max_num_batched_tokens),
+        max_num_seqs=min(s.max_num_seqs or worker.max_num_seqs, worker.max_num_seqs),
+        long_prefill_token_threshold=s.long_prefill_token_threshold,
+        shared_prefill_token_threshold=s.shared_prefill_token_threshold,
+        prefill_chunk_attention_limit=(s.prefill_chunk_attention_limit if s.prefill_chunk_attention_limit >= 0
+                                       else worker.prefill_chunk_attention_limit),
+        enable_chunked_prefill=s.enable_chunked_prefill,
+        enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
+
 class WorkerPool:
     """One WorkerEngine per driven worker, by address.
 
@@ -335,15 +352,7 @@ class WorkerPool:
             await self._release(description.worker_id)
             return
         info = description
-        config = SchedulerConfig(
-            max_num_batched_tokens=min(s.max_num_batched_tokens or description.max_num_batched_tokens,
-                                       description.max_num_batched_tokens),
-            max_num_seqs=min(s.max_num_seqs or description.max_num_seqs, description.max_num_seqs),
-            long_prefill_token_threshold=s.long_prefill_token_threshold,
-            shared_prefill_token_threshold=s.shared_prefill_token_threshold,
-            prefill_chunk_attention_limit=s.prefill_chunk_attention_limit,
-            enable_chunked_prefill=s.enable_chunked_prefill,
-            enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
+        config = scheduler_config_for(s, description)
         try:
             core = Scheduler(config, info, seed_rng=random.Random(self._rng.getrandbits(64)))
         except ValueError as exc:  # settings that cannot work with this worker (InvalidArgumentError)

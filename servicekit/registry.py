@@ -22,7 +22,8 @@ from servicekit.redis_keys import RedisKeys
 log = logging.getLogger(__name__)
 
 
-_WORKER_INTS = ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs", "max_num_batched_tokens")
+_WORKER_INTS = ("num_blocks", "block_size", "max_model_len", "vocab_size", "max_num_seqs", "max_num_batched_tokens",
+                "prefill_chunk_attention_limit")
 
 
 def worker_to_hash(worker: WorkerDescription) -> dict[str, str]:

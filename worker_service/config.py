@@ -59,6 +59,9 @@ class ModelRunnerConfig:
         0.9, help="share of the GPU's total memory this worker may hold; the rest stays free as headroom")
     num_blocks: int | None = setting(None, type=int, help="exact KV blocks incl. the null block (default: from "
                                                           "memory)")
+    prefill_chunk_attention_limit: int = setting(
+        -1, help="key positions one prefill chunk should attend at most (tokens x context), stated to schedulers "
+                 "so a step stays short at any context (-1: 1048576 on a CPU, no limit on CUDA; 0: no limit)")
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="paged-attention implementation: " + "; ".join(
         f"{name} = {what}" for name, what in ATTENTION_BACKENDS.items()))
     # CPU tuning (no effect on CUDA)
@@ -77,6 +80,10 @@ class ModelRunnerConfig:
             raise InvalidArgumentError(
                 "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if (isinstance(self.prefill_chunk_attention_limit, bool) or not isinstance(self.prefill_chunk_attention_limit, int)
+                or self.prefill_chunk_attention_limit < -1):
+            raise InvalidArgumentError("prefill_chunk_attention_limit",
+                                       f"must be -1 (auto), 0 (no limit) or positive, got {self.prefill_chunk_attention_limit!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

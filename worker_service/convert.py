@@ -19,7 +19,8 @@ def describe_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
         model=worker.model, num_blocks=worker.num_blocks, block_size=worker.block_size,
         max_model_len=worker.max_model_len, vocab_size=worker.vocab_size,
         eos_token_ids=list(worker.eos_token_ids), worker_id=worker.worker_id,
-        max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens)
+        max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
+        prefill_chunk_attention_limit=worker.prefill_chunk_attention_limit)
 
 
 def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:

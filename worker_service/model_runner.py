@@ -21,7 +21,7 @@ import torch
 from kernels import get_attention_ops, native
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from servicekit.contract.worker import WorkerDescription
+from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT, WorkerDescription
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
@@ -97,7 +97,16 @@ class ModelRunner:
             eos_token_ids=tuple(self.eos_token_ids),
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
+            prefill_chunk_attention_limit=self.prefill_chunk_attention_limit,
         )
+
+    @property
+    def prefill_chunk_attention_limit(self) -> int:
+        """What this worker states to schedulers: the configured value, or (auto) a CPU's limit on a
+        CPU and none on a GPU (``servicekit.contract.worker.CPU_PREFILL_CHUNK_ATTENTION_LIMIT``)."""
+        if self.config.prefill_chunk_attention_limit >= 0:
+            return self.config.prefill_chunk_attention_limit
+        return CPU_PREFILL_CHUNK_ATTENTION_LIMIT if self.device.type == "cpu" else 0
 
     # -- one step -------------------------------------------------------------------------------------
 

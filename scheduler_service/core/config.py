@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT
 
 POLICIES = ("fcfs", "priority")
 # A step's duration is what a newcomer waits before its first token (and what a decoding request waits
@@ -12,11 +13,12 @@ POLICIES = ("fcfs", "priority")
 # most 512 tokens keeps the step short on a CPU worker and leaves the rest of the budget to their
 # prompts; a prompt alone takes the whole budget (benchmarks/ttft_fairness.py measures both).
 DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD = 512
-# A chunk's attention grows with the context already cached: 512 tokens after 7,500 cost 3.8 s on a
-# 2-core CPU worker (SmolLM2-135M), 512 after none 0.4 s. So a chunk is also capped by the key positions
-# its tokens attend in all (n * context + n * (n + 1) / 2), alone or not: every step stays around a
-# second there, whatever the context, and that is the longest a newcomer waits for a step to end.
-DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT = 1 << 20
+# A chunk's attention grows with the context already cached, so a chunk is also capped by the key
+# positions its tokens attend in all (n * context + n * (n + 1) / 2), alone or not: every step stays
+# short whatever the context, and that is the longest a newcomer waits for a step to end. The right
+# cap depends on the device: each worker states its own (WorkerDescription); this default is a CPU
+# worker's (servicekit.contract.worker says why), what a scheduler without a worker's word uses.
+DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT = CPU_PREFILL_CHUNK_ATTENTION_LIMIT
 # The area cap never cuts a chunk below this many tokens (a very long context still moves on).
 MIN_PREFILL_CHUNK_TOKENS = 16
 

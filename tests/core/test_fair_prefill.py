@@ -150,3 +150,26 @@ def test_without_chunked_prefill_a_prompt_goes_whole():
 def test_a_negative_attention_limit_is_refused_by_name():
     with pytest.raises(InvalidArgumentError, match="prefill_chunk_attention_limit"):
         SchedulerConfig(prefill_chunk_attention_limit=-1)
+
+
+def test_a_scheduler_takes_each_workers_word_unless_told():
+    """The attention cap depends on the device: -1 (the scheduler's default) takes what the worker
+    states (a CPU's cap, or none from a GPU worker); a value given to the scheduler wins."""
+    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.workers import scheduler_config_for
+    from servicekit.contract.worker import WorkerDescription
+
+    cpu = WorkerDescription("m", 100, 16, 4096, 1000, (2,), max_num_seqs=8, max_num_batched_tokens=512,
+                            prefill_chunk_attention_limit=LIMIT)
+    gpu = WorkerDescription("m", 100, 16, 4096, 1000, (2,), max_num_seqs=8, max_num_batched_tokens=512)
+    default = SchedulerSettings()
+    assert scheduler_config_for(default, cpu).prefill_chunk_attention_limit == LIMIT
+    assert scheduler_config_for(default, gpu).prefill_chunk_attention_limit == 0
+    told = SchedulerSettings(prefill_chunk_attention_limit=4096)
+    assert scheduler_config_for(told, gpu).prefill_chunk_attention_limit == 4096
+    off = SchedulerSettings(prefill_chunk_attention_limit=0)
+    assert scheduler_config_for(off, cpu).prefill_chunk_attention_limit == 0
+    config = scheduler_config_for(SchedulerSettings(max_num_seqs=99), cpu)
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (8, 512)  # never more than the worker's
+    with pytest.raises(ValueError, match="prefill_chunk_attention_limit"):
+        SchedulerSettings(prefill_chunk_attention_limit=-2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.step import CachedRequestData
 from worker.factories import hf_greedy, make_hf_model, make_runner, new_req, random_prompts, step
 from worker_service.config import ModelRunnerConfig
@@ -24,6 +25,27 @@ def test_info_reports_blocks_limits_and_eos(hf):
     assert info.vocab_size == 512 and info.eos_token_ids == (2,)
     assert runner.kv_caches[0][0].shape == (50, 8, 2, 16)
     assert runner.attention_backend == "torch"
+
+
+def test_the_worker_states_its_prefill_attention_limit_by_device(hf):
+    """A CPU worker states the CPU's cap per prefill chunk (auto); a configured value wins; the
+    statement survives Describe and the Redis registry, where a scheduler reads it."""
+    from scheduler_service.convert import worker_description_from_pb
+    from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT
+    from servicekit.registry import worker_from_hash, worker_to_hash
+    from worker_service.convert import describe_to_pb
+
+    auto = make_runner(hf).info
+    assert auto.prefill_chunk_attention_limit == CPU_PREFILL_CHUNK_ATTENTION_LIMIT == 1 << 20
+    assert make_runner(hf, prefill_chunk_attention_limit=0).info.prefill_chunk_attention_limit == 0
+    stated = make_runner(hf, prefill_chunk_attention_limit=5000).info
+    assert stated.prefill_chunk_attention_limit == 5000
+    assert worker_description_from_pb(describe_to_pb(stated)) == stated
+    assert worker_from_hash(worker_to_hash(stated)) == stated
+    old_entry = {k: v for k, v in worker_to_hash(stated).items() if k != "prefill_chunk_attention_limit"}
+    assert worker_from_hash(old_entry).prefill_chunk_attention_limit == 0  # an older worker states nothing
+    with pytest.raises(InvalidArgumentError, match="prefill_chunk_attention_limit"):
+        ModelRunnerConfig(model="x", prefill_chunk_attention_limit=-2)
 
 
 def test_num_blocks_follow_the_memory_budget(hf):
@@ -122,8 +144,6 @@ def test_min_tokens_bans_eos_until_reached(hf):
 
 
 def test_config_rejects_bad_values():
-    from servicekit.contract.errors import InvalidArgumentError
-
     with pytest.raises(InvalidArgumentError, match="kv_cache_memory"):
         ModelRunnerConfig(model="x", kv_cache_memory="lots")
     with pytest.raises(InvalidArgumentError, match="attention_backend"):
