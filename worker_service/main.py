@@ -15,8 +15,8 @@ import logging
 import socket
 import sys
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from servicekit import redis_client
