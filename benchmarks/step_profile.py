@@ -105,6 +105,8 @@ def _patched(targets: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[Non
 @contextmanager
 def install(llm: Any) -> Iterator[StepProfile]:
     """Profile ``llm`` (a ``pagedserve.LLM``) inside the block; yields the accumulating profile."""
+    from worker_service.models.cpu_gemm import PackedLinear
+
     runner, scheduler = llm.runner, llm.scheduler
     backend = runner.attention_backend
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else None
@@ -121,6 +123,7 @@ def install(llm: Any) -> Iterator[StepProfile]:
         (runner.model, "forward", w("model: other ops (embed, RMSNorm, rotary, SiLU*up, residual, "
                                     "per-layer Python)", runner.model.forward)),
         (torch.nn.Linear, "forward", w("linear layers (GEMM)", torch.nn.Linear.forward)),
+        (PackedLinear, "forward", w("linear layers (GEMM)", PackedLinear.forward)),
         (runner, "reshape_and_cache", w("KV-cache writes", runner.reshape_and_cache)),
         (runner, "paged_attention", w(f"attention ({backend}): batch split / glue", runner.paged_attention)),
         (runner.model, "compute_logits", w("logits (LM-head GEMM + fp32)", runner.model.compute_logits)),

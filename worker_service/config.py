@@ -68,6 +68,8 @@ class ModelRunnerConfig:
     native_kernels: bool = setting(True, help="build and use the C decode-attention kernel (kernels/csrc/) where a "
                                               "C compiler is present")
     kernel_cache: str = setting("", help="where built C kernels are cached (default: ~/.cache/pagedserve/kernels)")
+    prepack_weights: bool = setting(True, help="lay bf16 linear weights out once for oneDNN's GEMM (bit-identical "
+                                                "outputs; faster small batches)")
     tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds so per-step activations reuse warm "
                                            "memory (process-wide)")
 

@@ -12,6 +12,7 @@ once. Logits are computed only for the rows that sample.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,11 @@ from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
 from worker_service.kv_cache import allocate_kv_caches, determine_num_blocks
 from worker_service.loader import LoadedModel, load_model
+from worker_service.models import cpu_gemm
 from worker_service.models.layers import AttentionMetadata, ForwardContext
 from worker_service.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -69,11 +73,17 @@ class ModelRunner:
             raise InvalidArgumentError("max_model_len", f"{self.max_model_len} exceeds the model's "
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
+        self.num_packed_linears = 0
         if self.device.type == "cpu":
             if config.tune_malloc:
                 cpu_memory.tune_malloc()
             # only a change from the defaults is passed on: the defaults leave the environment its say
             native.configure(enabled=None if config.native_kernels else False, cache_dir=config.kernel_cache or None)
+            if config.prepack_weights:
+                self.num_packed_linears = cpu_gemm.prepack_linears(self.model.layers)
+                if self.num_packed_linears:
+                    log.info("%d linear weights laid out for oneDNN's GEMM (bf16, once at load)",
+                             self.num_packed_linears)
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)

@@ -1,0 +1,73 @@
+"""bf16 linear weights laid out once for oneDNN (``worker_service.models.cpu_gemm``): the same tokens
+as ``F.linear``, bit for bit, and nothing packed where it would change results (fp32) or cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from servicekit.contract.step import CachedRequestData
+from worker.factories import make_hf_model, make_runner, new_req, random_prompts, step
+from worker_service.models import cpu_gemm
+from worker_service.models.cpu_gemm import PackedLinear
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.supported(torch.bfloat16, torch.device("cpu")),
+                                reason="this torch build has no oneDNN bf16 linear ops")
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return make_hf_model()
+
+
+def _greedy_tokens(runner, prompts, num_decodes=3):
+    """Prefill all prompts in one step, then ``num_decodes`` decode steps: each request's tokens."""
+    block_size, next_block, reqs = runner.block_size, 1, []
+    for i, p in enumerate(prompts):
+        n = -(-(len(p) + num_decodes + 1) // block_size)
+        reqs.append(new_req(f"r{i}", p, list(range(next_block, next_block + n))))
+        next_block += n
+    out = runner.execute_model(step(reqs, num_scheduled={r.request_id: len(r.prompt_token_ids) for r in reqs}))
+    tokens = {rid: list(t) for rid, t in out.sampled_token_ids.items()}
+    for k in range(num_decodes):
+        cached = [CachedRequestData(r.request_id, [], len(r.prompt_token_ids) + k) for r in reqs]
+        out = runner.execute_model(step([], cached, num_scheduled={r.request_id: 1 for r in reqs}))
+        for rid, t in out.sampled_token_ids.items():
+            tokens[rid] += t
+    return tokens
+
+
+def test_packed_bf16_linears_give_the_same_tokens_bit_for_bit(hf):
+    plain = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=False)
+    packed = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    assert plain.num_packed_linears == 0
+    assert packed.num_packed_linears == 4 * len(packed.model.layers)  # qkv, o, gate_up, down per layer
+    assert isinstance(packed.model.layers[0].attn.qkv, PackedLinear)
+    assert packed.model.lm_head is None or isinstance(packed.model.lm_head, nn.Linear)  # the head is left alone
+
+    x = torch.randn(5, packed.model.cfg.hidden_size).to(torch.bfloat16)
+    with torch.inference_mode():
+        for name in ("qkv", "o"):
+            a, b = getattr(plain.model.layers[1].attn, name), getattr(packed.model.layers[1].attn, name)
+            inp = x if name == "qkv" else torch.randn(5, a.in_features).to(torch.bfloat16)
+            assert torch.equal(a(inp), b(inp))
+        layer_in = torch.randn(7, packed.model.cfg.hidden_size).to(torch.bfloat16)
+        assert torch.equal(plain.model.layers[0].mlp(layer_in), packed.model.layers[0].mlp(layer_in))
+
+    prompts = random_prompts([9, 4, 17], seed=3)
+    got, expected = _greedy_tokens(packed, prompts), _greedy_tokens(plain, prompts)
+    assert got == expected and all(len(t) == 4 for t in got.values())
+
+
+def test_fp32_is_never_packed(hf):
+    runner = make_runner(hf, dtype="float32", attention_backend="cpu", prepack_weights=True)
+    assert runner.num_packed_linears == 0
+    assert isinstance(runner.model.layers[0].mlp.down, nn.Linear)
+
+
+def test_a_build_whose_packed_gemm_disagrees_keeps_f_linear(monkeypatch):
+    layers = nn.ModuleList([nn.Linear(8, 8).to(torch.bfloat16)])
+    monkeypatch.setattr(cpu_gemm, "_agrees", lambda linear, packed: False)
+    assert cpu_gemm.prepack_linears(layers) == 0
+    assert isinstance(layers[0], nn.Linear)
