@@ -127,6 +127,8 @@ def install(llm: Any) -> Iterator[StepProfile]:
         (runner, "reshape_and_cache", w("KV-cache writes", runner.reshape_and_cache)),
         (runner, "paged_attention", w(f"attention ({backend}): batch split / glue", runner.paged_attention)),
         (runner.model, "compute_logits", w("logits (LM-head GEMM + fp32)", runner.model.compute_logits)),
+        *([(runner.model.head_gemm, "forward", w("logits (LM-head GEMM + fp32)", runner.model.head_gemm.forward))]
+          if getattr(runner.model, "head_gemm", None) is not None else []),
         (runner, "sampler", w("sampler", runner.sampler)),
     ]
     if backend == "cpu":

@@ -80,9 +80,9 @@ class ModelRunner:
             # only a change from the defaults is passed on: the defaults leave the environment its say
             native.configure(enabled=None if config.native_kernels else False, cache_dir=config.kernel_cache or None)
             if config.prepack_weights:
-                self.num_packed_linears = cpu_gemm.prepack_linears(self.model.layers)
+                self.num_packed_linears = cpu_gemm.prepack(self.model)
                 if self.num_packed_linears:
-                    log.info("%d linear weights laid out for oneDNN's GEMM (bf16, once at load)",
+                    log.info("%d GEMM weights laid out for oneDNN (bf16, once at load)",
                              self.num_packed_linears)
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)

@@ -16,9 +16,10 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.supported(torch.bfloat16, torch.dev
                                 reason="this torch build has no oneDNN bf16 linear ops")
 
 
-@pytest.fixture(scope="module")
-def hf():
-    return make_hf_model()
+@pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied"])
+def hf(request):
+    family, head = request.param.split("-")
+    return make_hf_model(family, tie_word_embeddings=head == "tied")
 
 
 def _greedy_tokens(runner, prompts, num_decodes=3):
@@ -42,9 +43,10 @@ def test_packed_bf16_linears_give_the_same_tokens_bit_for_bit(hf):
     plain = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=False)
     packed = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
     assert plain.num_packed_linears == 0
-    assert packed.num_packed_linears == 4 * len(packed.model.layers)  # qkv, o, gate_up, down per layer
+    # qkv, o, gate_up, down per layer, and the LM head's packed copy (its plain weight stays)
+    assert packed.num_packed_linears == 4 * len(packed.model.layers) + 1
     assert isinstance(packed.model.layers[0].attn.qkv, PackedLinear)
-    assert packed.model.lm_head is None or isinstance(packed.model.lm_head, nn.Linear)  # the head is left alone
+    assert isinstance(packed.model.head_gemm, PackedLinear) and plain.model.head_gemm is None
 
     x = torch.randn(5, packed.model.cfg.hidden_size).to(torch.bfloat16)
     with torch.inference_mode():
@@ -54,6 +56,8 @@ def test_packed_bf16_linears_give_the_same_tokens_bit_for_bit(hf):
             assert torch.equal(a(inp), b(inp))
         layer_in = torch.randn(7, packed.model.cfg.hidden_size).to(torch.bfloat16)
         assert torch.equal(plain.model.layers[0].mlp(layer_in), packed.model.layers[0].mlp(layer_in))
+        hidden = torch.randn(4, packed.model.cfg.hidden_size).to(torch.bfloat16)
+        assert torch.equal(plain.model.compute_logits(hidden), packed.model.compute_logits(hidden))
 
     prompts = random_prompts([9, 4, 17], seed=3)
     got, expected = _greedy_tokens(packed, prompts), _greedy_tokens(plain, prompts)
@@ -63,7 +67,7 @@ def test_packed_bf16_linears_give_the_same_tokens_bit_for_bit(hf):
 def test_fp32_is_never_packed(hf):
     runner = make_runner(hf, dtype="float32", attention_backend="cpu", prepack_weights=True)
     assert runner.num_packed_linears == 0
-    assert isinstance(runner.model.layers[0].mlp.down, nn.Linear)
+    assert isinstance(runner.model.layers[0].mlp.down, nn.Linear) and runner.model.head_gemm is None
 
 
 def test_a_build_whose_packed_gemm_disagrees_keeps_f_linear(monkeypatch):

@@ -125,6 +125,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.inv_freq, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # The LM-head GEMM with its weight laid out for the CPU's GEMM (cpu_gemm.prepack), or None:
+        # F.linear on the weight above. The weight itself stays (embedding, the fp32 refinement).
+        self.head_gemm: nn.Module | None = None
 
     @classmethod
     def config_from_hf(cls, hf_config: Any) -> DecoderConfig:
@@ -149,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         second ``[N, V]`` GEMM). In an fp32 model the GEMM's output is used as is.
         """
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()  # [N, V]
+        logits = (F.linear(hidden, weight) if self.head_gemm is None else self.head_gemm(hidden)).float()  # [N, V]
         if weight.dtype != torch.float32 and logits.shape[0] > 0:
             top = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [N, k]
             exact = torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float())  # [N, k]
