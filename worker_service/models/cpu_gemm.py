@@ -31,20 +31,16 @@ _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 class PackedLinear(nn.Module):
     """``nn.Linear``'s forward over a weight in oneDNN's blocked layout (inference only)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach()
-        self.register_buffer("bias", bias, persistent=False)
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     @classmethod
-    def of_weight(cls, weight: torch.Tensor) -> PackedLinear:
-        """A packed copy of ``x @ weight.T`` (no bias); ``weight`` stays as it is."""
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls(linear)
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -72,7 +68,7 @@ def prepack(model: nn.Module) -> int:
     num_packed = prepack_linears(model.layers)
     if num_packed:
         head = model.embed.weight if model.lm_head is None else model.lm_head.weight
-        model.head_gemm = PackedLinear.of_weight(head)
+        model.head_gemm = PackedLinear(head)  # a copy: the plain weight stays
         num_packed += 1
     return num_packed
 
@@ -88,12 +84,12 @@ def prepack_linears(layers: nn.Module) -> int:
     if not supported(first.weight.dtype, first.weight.device):
         return 0
     try:
-        if not _agrees(first, PackedLinear(first)):
+        if not _agrees(first, PackedLinear.of(first)):
             log.warning("oneDNN's packed GEMM differs from F.linear in this torch build: weights left unpacked")
             return 0
     except RuntimeError as exc:  # an op missing a kernel for this CPU or dtype
         log.warning("cannot pack linear weights for oneDNN (%s): weights left unpacked", exc)
         return 0
     for parent, name, linear in targets:
-        setattr(parent, name, PackedLinear(linear))
+        setattr(parent, name, PackedLinear.of(linear))
     return len(targets)
