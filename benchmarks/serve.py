@@ -224,7 +224,7 @@ class CpuAccount:
     @staticmethod
     def _total(proc) -> float:
         t = proc.cpu_times()
-        return t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+        return t.user + t.system
 
     def seconds(self) -> dict[str, float]:
         return {name: round(self._total(p) - self._start[name], 2) for name, p in self._procs.items()}

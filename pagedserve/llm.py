@@ -141,13 +141,11 @@ class LLM:
         from worker_service.config import ModelRunnerConfig
         from worker_service.model_runner import ModelRunner
 
-        self.scheduler_config = SchedulerConfig(
+        scheduler_config = SchedulerConfig(  # validated before the model loads
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
             shared_prefill_token_threshold=shared_prefill_token_threshold,
-            # the model runner's word (below) unless given; 0 until then, validated now
-            prefill_chunk_attention_limit=prefill_chunk_attention_limit or 0,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             policy=policy,
@@ -160,7 +158,8 @@ class LLM:
             prefill_chunk_attention_limit=-1 if prefill_chunk_attention_limit is None else prefill_chunk_attention_limit,
         )
         self.runner = ModelRunner(runner_config, hf_model=hf_model)
-        self.scheduler_config = replace(self.scheduler_config,
+        # the attention cap is the runner's word (the value given, or its device's default)
+        self.scheduler_config = replace(scheduler_config,
                                         prefill_chunk_attention_limit=self.runner.info.prefill_chunk_attention_limit)
         self.scheduler = Scheduler(self.scheduler_config, self.runner.info, seed_rng=random.Random(seed))
         # without a tokenizer, prompts must be token ids and outputs carry no text
