@@ -11,10 +11,15 @@
  * The cache may have any strides in its first three dims (block, token in block, KV head); rows of
  * head_dim values must be contiguous. Built by kernels/native.py with -O3 -march=native -fopenmp.
  *
- * Two entry points share one loop: `_f32` (fp32 query, cache and output) and `_bf16` (bf16 query,
- * cache and output). The bf16 one widens each loaded value to fp32 in registers (a bf16 is the top
- * half of an fp32, so widening is a shift) and keeps scores, the softmax and the accumulators in
- * fp32; only the output row is rounded to bf16 (to nearest even), once.
+ * Two entry points: `_f32` (fp32 query, cache and output) and `_bf16` (bf16 query, cache and output).
+ * The bf16 one widens each loaded value to fp32 (a bf16 is the top half of an fp32, so widening is a
+ * shift) or, on AVX512-BF16, multiplies bf16 pairs exactly into fp32 sums; scores, the softmax and
+ * the accumulators are fp32, and only the output row is rounded to bf16 (to nearest even), once.
+ *
+ * Two loops: plain C (item_scalar: any head size, any CPU) and, when the compiler targets AVX-512,
+ * an intrinsics loop for head sizes 64 and 128 (item_avx512: 16 cached tokens per step, vector exp).
+ * Each (head size, dtype) gets its own OpenMP loop, so the head size is a compile-time constant
+ * inside it.
  */
 #include <float.h>
 #include <math.h>
@@ -48,84 +53,239 @@ static inline __attribute__((always_inline)) float load(const void *row, int64_t
     return BF16 ? bf16_to_f32(((const bf16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-/* Strides are in elements (of fp32 or bf16, as BF16 says). */
-static inline __attribute__((always_inline)) void decode_impl(
-    const void *query, int64_t q_stride_tok, int64_t q_stride_head,
-    const void *key_cache, const void *value_cache,
-    int64_t c_stride_block, int64_t c_stride_tok, int64_t c_stride_head,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-    void *out, int64_t o_stride_tok, int64_t o_stride_head,
-    int num_seqs, int num_heads, int num_kv_heads, int block_size, float scale, int num_threads,
-    const int HD, const int BF16)
+/* One call's arguments. Strides are in elements (of fp32 or bf16, as the entry point says). */
+struct args {
+    const char *query, *key_cache, *value_cache;
+    int64_t q_stride_tok, q_stride_head, c_stride_block, c_stride_tok, c_stride_head, bt_stride;
+    const int32_t *block_tables, *seq_lens;
+    char *out;
+    int64_t o_stride_tok, o_stride_head;
+    int num_kv_heads, group, block_size;
+    float scale;
+};
+
+/* The attention of one work item (sequence s, KV head h) for its `group` query heads: plain C. */
+static inline __attribute__((always_inline)) void item_scalar(const struct args *a, int64_t item,
+                                                               const int HD, const int BF16)
 {
     const int64_t elem = BF16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
-    const char *q_base = query, *k_base = key_cache, *v_base = value_cache;
-    char *o_base = out;
-    const int group = num_heads / num_kv_heads;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
-        const int s = (int)(item / num_kv_heads), h = (int)(item % num_kv_heads);
-        const int len = seq_lens[s];
-        float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
-        float running_max[MAX_GROUP], denom[MAX_GROUP], p[MAX_GROUP][MAX_BLOCK_SIZE];
-        for (int g = 0; g < group; g++) {
-            const void *qs = q_base + (s * q_stride_tok + (int64_t)(h * group + g) * q_stride_head) * elem;
-            for (int d = 0; d < HD; d++) { q[g][d] = load(qs, d, BF16) * scale; acc[g][d] = 0.f; }
-            running_max[g] = -FLT_MAX;
-            denom[g] = 0.f;
-        }
-        const int32_t *table = block_tables + s * bt_stride;
-        for (int start = 0; start < len; start += block_size) {
-            const int n = len - start < block_size ? len - start : block_size;
-            const int64_t base = (int64_t)table[start / block_size] * c_stride_block + h * c_stride_head;
-            const char *kb = k_base + base * elem, *vb = v_base + base * elem;
-            for (int g = 0; g < group; g++) {  /* scores of this block's tokens */
-                float block_max = running_max[g];
-                for (int t = 0; t < n; t++) {
-                    const void *k = kb + t * c_stride_tok * elem;
-                    float dot = 0.f;
-                    for (int d = 0; d < HD; d++) dot += q[g][d] * load(k, d, BF16);
-                    p[g][t] = dot;
-                    block_max = dot > block_max ? dot : block_max;
-                }
-                const float rescale = expf(running_max[g] - block_max);
-                float sum = 0.f;
-                for (int t = 0; t < n; t++) { p[g][t] = expf(p[g][t] - block_max); sum += p[g][t]; }
-                denom[g] = denom[g] * rescale + sum;
-                running_max[g] = block_max;
-                float a[MAX_HEAD_DIM];  /* the accumulator row, register-resident across tokens */
-                for (int d = 0; d < HD; d++) a[d] = acc[g][d] * rescale;
-                for (int t = 0; t < n; t++) {
-                    const void *v = vb + t * c_stride_tok * elem;
-                    const float w = p[g][t];
-                    for (int d = 0; d < HD; d++) a[d] += w * load(v, d, BF16);
-                }
-                for (int d = 0; d < HD; d++) acc[g][d] = a[d];
+    const int s = (int)(item / a->num_kv_heads), h = (int)(item % a->num_kv_heads), group = a->group;
+    const int len = a->seq_lens[s], block_size = a->block_size;
+    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+    float running_max[MAX_GROUP], denom[MAX_GROUP], p[MAX_GROUP][MAX_BLOCK_SIZE];
+    for (int g = 0; g < group; g++) {
+        const void *qs = a->query + (s * a->q_stride_tok + (int64_t)(h * group + g) * a->q_stride_head) * elem;
+        for (int d = 0; d < HD; d++) { q[g][d] = load(qs, d, BF16) * a->scale; acc[g][d] = 0.f; }
+        running_max[g] = -FLT_MAX;
+        denom[g] = 0.f;
+    }
+    const int32_t *table = a->block_tables + s * a->bt_stride;
+    for (int start = 0; start < len; start += block_size) {
+        const int n = len - start < block_size ? len - start : block_size;
+        const int64_t base = (int64_t)table[start / block_size] * a->c_stride_block + h * a->c_stride_head;
+        const char *kb = a->key_cache + base * elem, *vb = a->value_cache + base * elem;
+        for (int g = 0; g < group; g++) {  /* scores of this block's tokens */
+            float block_max = running_max[g];
+            for (int t = 0; t < n; t++) {
+                const void *k = kb + t * a->c_stride_tok * elem;
+                float dot = 0.f;
+                for (int d = 0; d < HD; d++) dot += q[g][d] * load(k, d, BF16);
+                p[g][t] = dot;
+                block_max = dot > block_max ? dot : block_max;
             }
+            const float rescale = expf(running_max[g] - block_max);
+            float sum = 0.f;
+            for (int t = 0; t < n; t++) { p[g][t] = expf(p[g][t] - block_max); sum += p[g][t]; }
+            denom[g] = denom[g] * rescale + sum;
+            running_max[g] = block_max;
+            float acc_row[MAX_HEAD_DIM];  /* register-resident across tokens */
+            for (int d = 0; d < HD; d++) acc_row[d] = acc[g][d] * rescale;
+            for (int t = 0; t < n; t++) {
+                const void *v = vb + t * a->c_stride_tok * elem;
+                const float w = p[g][t];
+                for (int d = 0; d < HD; d++) acc_row[d] += w * load(v, d, BF16);
+            }
+            for (int d = 0; d < HD; d++) acc[g][d] = acc_row[d];
         }
-        for (int g = 0; g < group; g++) {
-            char *o = o_base + (s * o_stride_tok + (int64_t)(h * group + g) * o_stride_head) * elem;
-            const float inv = 1.f / denom[g];
-            if (BF16) for (int d = 0; d < HD; d++) ((bf16_t *)o)[d] = f32_to_bf16(acc[g][d] * inv);
-            else for (int d = 0; d < HD; d++) ((float *)o)[d] = acc[g][d] * inv;
-        }
+    }
+    for (int g = 0; g < group; g++) {
+        char *o = a->out + (s * a->o_stride_tok + (int64_t)(h * group + g) * a->o_stride_head) * elem;
+        const float inv = 1.f / denom[g];
+        if (BF16) for (int d = 0; d < HD; d++) ((bf16_t *)o)[d] = f32_to_bf16(acc[g][d] * inv);
+        else for (int d = 0; d < HD; d++) ((float *)o)[d] = acc[g][d] * inv;
     }
 }
 
-/* Common head sizes get constant trip counts (fully vectorised inner loops). */
-#define DISPATCH(BF16) do { \
-    if (head_dim == 64) DECODE(64, BF16); \
-    else if (head_dim == 128) DECODE(128, BF16); \
-    else DECODE(head_dim, BF16); } while (0)
-#define DECODE(HD, BF16) decode_impl(query, q_stride_tok, q_stride_head, key_cache, value_cache, \
-    c_stride_block, c_stride_tok, c_stride_head, block_tables, bt_stride, seq_lens, out, \
-    o_stride_tok, o_stride_head, num_seqs, num_heads, num_kv_heads, block_size, scale, num_threads, HD, BF16)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+/* e^x for 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2/2), e^r by its degree-6 Taylor polynomial
+ * (relative error < 2e-7 on that range), scaled by 2^n. Inputs below -87.3 give ~0, never NaN. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 values of a row of fp32 or bf16 (widened: a bf16 is the top half of an fp32). */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t i, const int BF16) {
+    if (BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)row + i);
+}
+
+/* The sums of eight vectors' lanes, as the eight lanes of one. */
+static inline __attribute__((always_inline)) __m256 sum8(const __m512 *v) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define TILE 16  /* cached tokens per tile: one score per lane */
+
+
+/* The dot product of a query row (fp32, scaled; or raw bf16 pairs) with a cached K row, as 16 partial
+ * sums. bf16 rows multiply in pairs with AVX512-BF16's dot product (exact products, fp32 sums). */
+static inline __attribute__((always_inline)) __m512 dot16(const float *qf, const bf16_t *qb, const char *k,
+                                                         const int HD, const int BF16) {
+#ifdef __AVX512BF16__
+    if (BF16) {
+        __m512 d = _mm512_setzero_ps();
+        for (int j = 0; j < HD / 32; j++)
+            d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(qb + 32 * j),
+                                 (__m512bh)_mm512_loadu_si512((const bf16_t *)k + 32 * j));
+        return d;
+    }
+#endif
+    (void)qb;
+    __m512 d = _mm512_mul_ps(_mm512_load_ps(qf), load16(k, 0, BF16));
+    for (int j = 1; j < HD / 16; j++) d = _mm512_fmadd_ps(_mm512_load_ps(qf + 16 * j), load16(k, 16 * j, BF16), d);
+    return d;
+}
+
+/* item_scalar's contract, vectorised (head_dim % 16 == 0). Tiles of up to 16 cached tokens, one per
+ * lane of the score vector: a query head's 16 scores are 16 dot products (dot16) reduced together
+ * (sum8); the online softmax runs on that vector (exp16); the accumulator row stays in registers
+ * while the tile's V rows go in, read straight from the cache in fp32 or widened once into L1
+ * scratch in bf16 (shared by the group's query heads). No software prefetch: on a 2-core EPYC it
+ * measured no faster (and slowed a plain read of scattered 2 KiB blocks); the cache is far larger
+ * than L3, so a decode step is bound by reading it (~16 GB/s for scattered blocks there). */
+static inline __attribute__((always_inline)) void item_avx512(const struct args *a, int64_t item,
+                                                               const int HD, const int BF16)
+{
+    const int64_t elem = BF16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
+    const int s = (int)(item / a->num_kv_heads), h = (int)(item % a->num_kv_heads), group = a->group;
+    const int len = a->seq_lens[s], block_size = a->block_size, NV = HD / 16;
+#ifdef __AVX512BF16__
+    const int DP = BF16;  /* scores by bf16 pair dot products: raw bf16 query, scaled afterwards */
+#else
+    const int DP = 0;
+#endif
+    float q[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    bf16_t qb[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float vt[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float p[TILE] __attribute__((aligned(64)));
+    float running_max[MAX_GROUP], denom[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        const char *qs = a->query + (s * a->q_stride_tok + (int64_t)(h * group + g) * a->q_stride_head) * elem;
+        if (DP) memcpy(qb[g], qs, HD * sizeof(bf16_t));
+        for (int j = 0; j < NV; j++) {
+            if (!DP) _mm512_store_ps(&q[g][16 * j], _mm512_mul_ps(load16(qs, 16 * j, BF16), _mm512_set1_ps(a->scale)));
+            _mm512_store_ps(&acc[g][16 * j], _mm512_setzero_ps());
+        }
+        running_max[g] = -FLT_MAX;
+        denom[g] = 0.f;
+    }
+    const __m512 score_scale = _mm512_set1_ps(DP ? a->scale : 1.f);
+    const int32_t *table = a->block_tables + s * a->bt_stride;
+    const int64_t head = h * a->c_stride_head, row = a->c_stride_tok * elem;
+    for (int start = 0, n; start < len; start += n) {
+        const int in_block = start % block_size;
+        n = len - start < TILE ? len - start : TILE;
+        if (n > block_size - in_block) n = block_size - in_block;  /* a tile never spans two blocks */
+        const int64_t base = (int64_t)table[start / block_size] * a->c_stride_block + head + in_block * a->c_stride_tok;
+        const char *kb = a->key_cache + base * elem, *vb = a->value_cache + base * elem;
+        if (BF16)
+            for (int t = 0; t < n; t++)
+                for (int j = 0; j < NV; j++) _mm512_store_ps(&vt[t][16 * j], load16(vb + t * row, 16 * j, 1));
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        for (int g = 0; g < group; g++) {
+            __m512 dots[TILE];
+            for (int t = 0; t < TILE; t++)  /* rows past the sequence's end are never read */
+                dots[t] = t < n ? dot16(q[g], qb[g], kb + t * row, HD, DP) : _mm512_setzero_ps();
+            const __m512 scores = _mm512_mask_blend_ps(
+                valid, _mm512_set1_ps(-FLT_MAX),
+                _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(sum8(dots)), sum8(dots + 8), 1), score_scale));
+            const float tile_max = _mm512_reduce_max_ps(scores);
+            const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+            _mm512_store_ps(p, e);
+            const float rescale = expf(running_max[g] - new_max);
+            denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(e);
+            running_max[g] = new_max;
+            __m512 acc_row[MAX_HEAD_DIM / 16];
+            for (int j = 0; j < NV; j++) acc_row[j] = _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * j]), _mm512_set1_ps(rescale));
+            for (int t = 0; t < n; t++) {
+                const __m512 w = _mm512_set1_ps(p[t]);
+                for (int j = 0; j < NV; j++)
+                    acc_row[j] = _mm512_fmadd_ps(w, BF16 ? _mm512_load_ps(&vt[t][16 * j]) : load16(vb + t * row, 16 * j, 0),
+                                                 acc_row[j]);
+            }
+            for (int j = 0; j < NV; j++) _mm512_store_ps(&acc[g][16 * j], acc_row[j]);
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        char *o = a->out + (s * a->o_stride_tok + (int64_t)(h * group + g) * a->o_stride_head) * elem;
+        const float inv = 1.f / denom[g];
+        if (BF16) for (int d = 0; d < HD; d++) ((bf16_t *)o)[d] = f32_to_bf16(acc[g][d] * inv);
+        else for (int d = 0; d < HD; d++) ((float *)o)[d] = acc[g][d] * inv;
+    }
+}
+#define ITEM_FAST item_avx512
+#else
+#define ITEM_FAST item_scalar
+#endif
+
+/* One function per (head size, dtype), each with its own OpenMP loop: the loop body is outlined per
+ * function, so HD reaches the item code as a constant (fully unrolled inner loops). Items are spread
+ * over the threads dynamically (sequences differ in length). */
+#define VARIANT(NAME, ITEM, HD, BF16) \
+static void NAME(const struct args *a, int64_t num_items, int head_dim, int num_threads) { \
+    (void)head_dim; \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)") \
+    for (int64_t item = 0; item < num_items; item++) ITEM(a, item, HD, BF16); \
+}
+VARIANT(decode_f32_64, ITEM_FAST, 64, 0)
+VARIANT(decode_f32_128, ITEM_FAST, 128, 0)
+VARIANT(decode_f32_any, item_scalar, head_dim, 0)
+VARIANT(decode_bf16_64, ITEM_FAST, 64, 1)
+VARIANT(decode_bf16_128, ITEM_FAST, 128, 1)
+VARIANT(decode_bf16_any, item_scalar, head_dim, 1)
+#undef VARIANT
 
 /* The exported entry points: `_f32` takes fp32 query, caches and output; `_bf16` bf16 ones (raw bf16
  * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, kernels/cpu.py):
  * num_heads % num_kv_heads == 0, group <= 16, head_dim <= 256, block_size <= 128, every
  * seq_len >= 1. Strides are in elements. */
-#define ENTRY_POINT(NAME, T, BF16) \
+#define ENTRY_POINT(NAME, T, SUFFIX) \
 void NAME( \
     const T *query, int64_t q_stride_tok, int64_t q_stride_head, \
     const T *key_cache, const T *value_cache, \
@@ -135,12 +295,17 @@ void NAME( \
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, \
     int num_threads) \
 { \
-    DISPATCH(BF16); \
+    const struct args a = { \
+        (const char *)query, (const char *)key_cache, (const char *)value_cache, \
+        q_stride_tok, q_stride_head, c_stride_block, c_stride_tok, c_stride_head, bt_stride, \
+        block_tables, seq_lens, (char *)out, o_stride_tok, o_stride_head, \
+        num_kv_heads, num_heads / num_kv_heads, block_size, scale}; \
+    const int64_t items = (int64_t)num_seqs * num_kv_heads; \
+    if (head_dim == 64) decode_##SUFFIX##_64(&a, items, head_dim, num_threads); \
+    else if (head_dim == 128) decode_##SUFFIX##_128(&a, items, head_dim, num_threads); \
+    else decode_##SUFFIX##_any(&a, items, head_dim, num_threads); \
 }
 
-ENTRY_POINT(paged_decode_attention_f32, float, 0)
-ENTRY_POINT(paged_decode_attention_bf16, bf16_t, 1)
-
+ENTRY_POINT(paged_decode_attention_f32, float, f32)
+ENTRY_POINT(paged_decode_attention_bf16, bf16_t, bf16)
 #undef ENTRY_POINT
-#undef DECODE
-#undef DISPATCH

@@ -38,7 +38,7 @@ TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.bfloat16: dict(ato
 @pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])  # two specialised sizes and the generic loop
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4, 16, 32])  # 32: a block holds two 16-token tiles
 @pytest.mark.parametrize("head_major", [False, True], ids=["block-major", "head-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_attention_matches_reference(paged_batch, bf16_cpu, shape, gqa, head_dim, block_size, head_major,
