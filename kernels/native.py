@@ -94,8 +94,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def library_path(name: str) -> Path:
-    """Where the library built from ``csrc/<name>.c`` for this machine and compiler lives."""
-    source = (CSRC / f"{name}.c").read_bytes()
+    """Where the library built from ``csrc/<name>.c`` (and the headers beside it) for this machine and
+    compiler lives."""
+    source = b"\0".join([(CSRC / f"{name}.c").read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h")))])
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + LIBS).encode(), version.encode(),

@@ -26,27 +26,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 128
-
-typedef uint16_t bf16_t;
-
-static inline __attribute__((always_inline)) float bf16_to_f32(bf16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline __attribute__((always_inline)) bf16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))  /* NaN stays a (quiet) NaN */
-        return (bf16_t)((bits >> 16) | 0x0040u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);  /* round to nearest, ties to even */
-    return (bf16_t)(bits >> 16);
-}
 
 /* Element i of a row of fp32 or bf16 values, as fp32; BF16 is a compile-time constant at each call. */
 static inline __attribute__((always_inline)) float load(const void *row, int64_t i, const int BF16) {

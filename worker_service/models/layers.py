@@ -4,7 +4,9 @@ Numerics follow Hugging Face's implementations step by step (fp32 norm statistic
 in fp32 from the same inverse frequencies), so that greedy decoding matches ``generate`` token for
 token in fp32. In a 16-bit model the weights, the GEMMs and the KV cache are 16-bit, while the norm
 statistics and the rotation run in fp32 and the residual stream stays fp32 (see ``llama.py``): each
-16-bit rounding then happens once per sub-layer output, never accumulated across layers.
+16-bit rounding then happens once per sub-layer output, never accumulated across layers. A bf16 model
+on the CPU runs RMSNorm (with its residual add) and the rotation through ``kernels.cpu_fused``: the
+same arithmetic in one pass each.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from kernels import cpu_fused
 
 
 class UnsupportedModelError(ValueError):
@@ -29,9 +33,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] in fp32 (the residual stream) or the model dtype -> [T, D] in the model (weight) dtype
+        if x.dtype == torch.float32 and cpu_fused.applies(self.weight):
+            return cpu_fused.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(self.weight.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + y`` (``x`` the fp32 residual stream, ``y`` a sub-layer's output) and its norm. A bf16
+        model on the CPU does both in one pass and updates ``x`` in place; elsewhere ``x`` is left as is."""
+        if x.dtype == torch.float32 and y.dtype == self.weight.dtype and cpu_fused.applies(self.weight):
+            return x, cpu_fused.rms_norm(x, self.weight, self.eps, residual=y)
+        x = x + y
+        return x, self(x)
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
@@ -76,9 +90,32 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, 1, Dh] fp32 (broadcast over heads)
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+    def forward(self, positions: torch.Tensor) -> Rotation:
+        # positions: [T] -> the rotation of those tokens, for every layer of one forward pass. Checked
+        # here on the CPU (the C path indexes the tables unchecked); a CUDA index is checked on device.
+        if positions.device.type == "cpu" and positions.numel() and (
+                int(positions.min()) < 0 or int(positions.max()) >= self.cos.shape[0]):
+            raise IndexError(f"positions must lie in [0, {self.cos.shape[0]}) (max_positions)")
+        return Rotation(positions.to(torch.int64), self.cos, self.sin)
+
+
+@dataclass(slots=True)
+class Rotation:
+    """The rotary embedding of one forward pass's tokens (positions checked against the tables)."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_table: torch.Tensor  # [P, Dh] fp32
+    sin_table: torch.Tensor  # [P, Dh] fp32
+    _picked: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of the tokens: [T, 1, Dh]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H, Dh]`` rotated, in its dtype: bf16 on the CPU in place, in one pass (C);
+        otherwise as Hugging Face computes it, into a new tensor."""
+        if cpu_fused.applies(x):
+            return cpu_fused.rope_(x, self.positions, self.cos_table, self.sin_table, positions_checked=True)
+        if self._picked is None:  # gathered once per forward pass, shared by every layer
+            self._picked = (self.cos_table[self.positions][:, None, :], self.sin_table[self.positions][:, None, :])
+        return apply_rope(x, *self._picked)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from worker_service.models.layers import (
     ForwardContext,
     RMSNorm,
     RotaryEmbedding,
+    Rotation,
     UnsupportedModelError,
-    apply_rope,
     rope_inv_freq,
 )
 
@@ -77,11 +77,11 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotate: Rotation, ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]  # x: [T, D]
         qk, v = self.qkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads side by side, rotated by one call: [T, H + KVH, Dh]
-        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = rotate(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, Dh], [T, KVH, Dh]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KVH, Dh]
         out = ctx.attend(self.layer, q, k, v, self.scale)  # [T, H, Dh]
@@ -108,10 +108,10 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotate: Rotation, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, D] fp32, the residual stream; each sub-layer computes in the model dtype
-        x = x + self.attn(self.input_norm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attn_norm(x))
+        x, h = self.post_attn_norm.add_and_norm(x, self.attn(self.input_norm(x), rotate, ctx))
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -136,9 +136,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, D] in the model dtype (before the LM head)
         x = self.embed(input_ids).float()  # [T, D]: the residual stream is fp32 whatever the model dtype
-        cos, sin = self.rope(positions)  # [T, 1, Dh] fp32
+        rotate = self.rope(positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, rotate, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

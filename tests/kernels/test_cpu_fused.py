@@ -1,0 +1,161 @@
+"""The fused bf16 element-wise ops (``kernels.cpu_fused``, C) against the model's torch code, and the
+model's choice between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_fused, native
+from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
+
+needs_native = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler on this machine")
+
+D, HEADS, KV_HEADS, HEAD_DIM = 96, 6, 2, 32
+
+
+def bf16_norm(seed: int = 0) -> RMSNorm:
+    norm = RMSNorm(D, 1e-5)
+    norm.weight.data = torch.randn(D, generator=torch.Generator().manual_seed(seed))
+    return norm.to(torch.bfloat16)
+
+
+def torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm.forward's torch code, whatever path the module would take."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return norm.weight * h.to(norm.weight.dtype)
+
+
+def assert_nearly_equal(expected: torch.Tensor, got: torch.Tensor) -> None:
+    """Equal but for rare last-bit differences of a bf16 rounding (fp32 summation order, FMA)."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    differ = (got.float() != expected.float()).float().mean().item()
+    assert differ < 1e-3, f"{differ:.2%} of elements differ"
+    torch.testing.assert_close(got.float(), expected.float(), atol=0, rtol=2 ** -7)  # one bf16 step
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 96 elements: the multi-threaded path
+def test_rms_norm_matches_the_torch_code(rows):
+    norm = bf16_norm()
+    x = torch.randn(rows, D) * 4
+
+    assert_nearly_equal(torch_norm(norm, x), cpu_fused.rms_norm(x, norm.weight, norm.eps))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 300])
+def test_add_and_norm_updates_the_residual_stream_in_place(rows):
+    norm = bf16_norm(1)
+    x = torch.randn(rows, D) * 4
+    y = torch.randn(rows, D).to(torch.bfloat16)
+    expected_x = x + y
+
+    out = cpu_fused.rms_norm(x, norm.weight, norm.eps, residual=y)
+
+    assert torch.equal(x, expected_x)  # fp32 + widened bf16: exact
+    assert_nearly_equal(torch_norm(norm, expected_x), out)
+
+
+@needs_native
+def test_rms_norm_reads_strided_rows():
+    norm = bf16_norm(2)
+    wide = torch.randn(5, 2 * D)
+    rows = wide[:, D:]  # a row stride of 2D
+
+    assert_nearly_equal(torch_norm(norm, rows.contiguous()), cpu_fused.rms_norm(rows, norm.weight, norm.eps))
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+def test_rope_rotates_q_and_k_heads_of_a_fused_qkv_in_place(tokens):
+    rope = RotaryEmbedding(torch.arange(0, HEAD_DIM, 2).float().div(HEAD_DIM).mul(-9.2).exp(), 512)
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(tokens))
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(torch.bfloat16)
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM)  # strided view
+    v_before = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].clone()
+    expected = apply_rope(qk, rope.cos[positions][:, None], rope.sin[positions][:, None])
+
+    got = cpu_fused.rope_(qk, positions, rope.cos, rope.sin)
+
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    assert_nearly_equal(expected, got)
+    assert torch.equal(qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:], v_before)  # V untouched
+
+
+@needs_native
+def test_bad_arguments_are_refused_by_name():
+    norm = bf16_norm()
+    with pytest.raises(ValueError, match="rms_norm: x must be fp32"):
+        cpu_fused.rms_norm(torch.randn(2, D).to(torch.bfloat16), norm.weight, 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_fused.rms_norm(torch.randn(2, D), norm.weight, 1e-5, residual=torch.randn(3, D).to(torch.bfloat16))
+    table = torch.zeros(8, HEAD_DIM)
+    x = torch.zeros(2, 1, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 8\)"):
+        cpu_fused.rope_(x, torch.tensor([0, 8]), table, table)
+    with pytest.raises(ValueError, match="rope_: x must be bf16"):
+        cpu_fused.rope_(x.float(), torch.tensor([0, 1]), table, table)
+
+
+def test_only_bf16_cpu_tensors_outside_autograd_take_the_fused_path(monkeypatch):
+    bf16 = torch.zeros(2, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_fused, "available", lambda: True)
+    assert not cpu_fused.applies(torch.zeros(2))  # fp32 keeps Hugging Face's exact op sequence
+    assert not cpu_fused.applies(torch.zeros(2, dtype=torch.float16))
+    with torch.enable_grad():
+        assert not cpu_fused.applies(bf16)
+    with torch.no_grad():
+        assert cpu_fused.applies(bf16)
+    monkeypatch.setattr(cpu_fused, "available", lambda: False)
+    with torch.no_grad():
+        assert not cpu_fused.applies(bf16)
+
+
+def test_without_the_library_the_model_layers_use_torch(monkeypatch):
+    monkeypatch.setattr(native, "_loaded", {"cpu_fused_ops": None})  # as if the build had failed
+    norm = bf16_norm(3)
+    x, y = torch.randn(4, D), torch.randn(4, D).to(torch.bfloat16)
+    rope = RotaryEmbedding(rope_inv_freq(type("Cfg", (), {"rope_theta": 10000.0})(), HEAD_DIM), 64)
+    positions = torch.tensor([0, 5, 9, 63])
+    qk = torch.randn(4, HEADS, HEAD_DIM).to(torch.bfloat16)
+
+    with torch.no_grad():
+        assert not cpu_fused.applies(norm.weight)
+        new_x, h = norm.add_and_norm(x, y)
+        rotated = rope(positions)(qk)
+
+    assert torch.equal(new_x, x + y) and not torch.equal(new_x, x)  # out of place on this path
+    assert torch.equal(h, torch_norm(norm, x + y))
+    assert torch.equal(rotated, apply_rope(qk, rope.cos[positions][:, None], rope.sin[positions][:, None]))
+    assert rotated.data_ptr() != qk.data_ptr()
+
+
+@needs_native
+def test_the_model_layers_take_the_fused_path_for_bf16(monkeypatch):
+    calls = []
+    for name in ("rms_norm", "rope_"):
+        original = getattr(cpu_fused, name)
+        monkeypatch.setattr(cpu_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    norm = bf16_norm(4)
+    rope = RotaryEmbedding(rope_inv_freq(type("Cfg", (), {"rope_theta": 10000.0})(), HEAD_DIM), 64)
+    x, y = torch.randn(3, D), torch.randn(3, D).to(torch.bfloat16)
+
+    with torch.no_grad():
+        norm(x)
+        norm.add_and_norm(x, y)
+        rope(torch.tensor([1, 2, 3]))(torch.randn(3, HEADS, HEAD_DIM).to(torch.bfloat16))
+        norm.float()(x)  # an fp32 model: torch
+        rope(torch.tensor([1, 2, 3]))(torch.randn(3, HEADS, HEAD_DIM))
+
+    assert calls == ["rms_norm", "rms_norm", "rope_"]
+
+
+def test_positions_past_the_rotary_tables_are_refused():
+    rope = RotaryEmbedding(torch.ones(HEAD_DIM // 2), 16)
+    with pytest.raises(IndexError, match=r"positions must lie in \[0, 16\)"):
+        rope(torch.tensor([3, 16]))
+    with pytest.raises(IndexError):
+        rope(torch.tensor([-1]))
+
