@@ -3,7 +3,8 @@
 Same signatures and results as :mod:`kernels.reference` (the kernel tests compare them), but
 vectorised and careful with memory, because a worker without a GPU serves through these functions:
 
-* cache writes are one ``index_copy_`` per cache (head-major storage, see ``worker_service.kv_cache``);
+* cache writes are one C call (``csrc/cache_write.c``: a row copy per token and KV head, any strides),
+  or one ``index_copy_`` per cache where K/V need a cast or no compiler is there;
 * decode rows — memory-bound passes over the whole cached context — run in C
   (``csrc/paged_decode_attention.c``, built by :mod:`kernels.native`), which reads every K/V row
   once straight from the paged cache for all query heads of a KV head: fp32 caches, and bf16 ones
@@ -118,6 +119,21 @@ def _native_decode(
         out.copy_(target)
 
 
+_WRITE_KERNEL = "cache_write"
+
+
+def _write_function() -> ctypes._CFuncPtr | None:
+    library = native.load(_WRITE_KERNEL)
+    if library is None:
+        return None
+    fn = library.cache_write
+    if fn.argtypes is None:
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32]
+        fn.restype = i64
+    return fn
+
+
 def cpu_reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -125,9 +141,24 @@ def cpu_reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64 or int32; -1 = do not store (padding)
 ) -> None:
-    """:func:`kernels.reference.ref_reshape_and_cache`, as one ``index_copy_`` per cache: with
-    head-major storage each (head, slot) row is one row of a flat matrix; block-major, one row of all
-    heads per slot; other strides fall back to advanced indexing."""
+    """:func:`kernels.reference.ref_reshape_and_cache`: in C (``csrc/cache_write.c``, one row copy per
+    token and head, any strides) when K/V already have the cache's dtype; else one ``index_copy_`` per
+    cache (head-major storage: each (head, slot) row is one row of a flat matrix; block-major: one row
+    of all heads per slot; other strides: advanced indexing)."""
+    write = _write_function()
+    if (write is not None and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+            and key.device.type == "cpu" and key.stride(-1) == value.stride(-1) == key_cache.stride(-1) == 1
+            and value_cache.stride() == key_cache.stride()):
+        slots = slot_mapping.to(torch.int64).contiguous()
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        bad = write(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0), value.stride(1),
+                    key_cache.data_ptr(), value_cache.data_ptr(),
+                    key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                    slots.data_ptr(), slots.shape[0], num_blocks * block_size,
+                    num_kv_heads, head_dim, block_size, key.element_size(), torch.get_num_threads())
+        if bad:
+            raise IndexError(f"{bad} slot(s) of slot_mapping lie past the cache's {num_blocks * block_size} slots")
+        return
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(torch.int64)
     if bool((slots < 0).any()):
@@ -144,7 +175,6 @@ def cpu_reshape_and_cache(
             cache.view(-1, cache.shape[2] * cache.shape[3]).index_copy_(0, slots, rows.to(cache.dtype).flatten(1))
         else:  # advanced indexing on the two leading dims works for any strides
             cache[slots // block_size, slots % block_size] = rows.to(cache.dtype)
-
 
 
 def _per_head(index: torch.Tensor, num_kv_heads: int, per_head: int) -> torch.Tensor:

@@ -174,15 +174,55 @@ def test_torch_decode_path_matches_reference(paged_batch, torch_decode, shape, g
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), atol=tol, rtol=tol)
 
 
-def test_cpu_reshape_and_cache_matches_reference(storage, empty_cache):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_cpu_reshape_and_cache_matches_reference(storage, empty_cache, dtype, path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(cpu, "_write_function", lambda: None)
+    elif not cpu._write_function():
+        pytest.skip("no C compiler on this machine")
     num_kv_heads, head_dim = 2, 16  # empty_cache's defaults
 
-    key, value = torch.randn(5, num_kv_heads, head_dim), torch.randn(5, num_kv_heads, head_dim)
+    key, value = torch.randn(5, num_kv_heads, head_dim).to(dtype), torch.randn(5, num_kv_heads, head_dim).to(dtype)
     slot_mapping = torch.tensor([13, -1, 0, 31, 6])
-    caches = [empty_cache(storage) for _ in range(4)]
+    caches = [empty_cache(storage).to(dtype) for _ in range(4)]
 
     cpu.cpu_reshape_and_cache(key, value, caches[0], caches[1], slot_mapping)
     ref_reshape_and_cache(key, value, caches[2], caches[3], slot_mapping)
+
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("num_tokens", [3, 300])  # 300: the multi-threaded loop
+def test_cache_write_takes_k_and_v_as_views_of_a_fused_qkv(empty_cache, num_tokens):
+    num_kv_heads, head_dim, block_size = 2, 16, 4
+    num_blocks = -(-num_tokens // block_size) + 2
+    qkv = torch.randn(num_tokens, (4 + 2 * num_kv_heads) * head_dim).to(torch.bfloat16)
+    key = qkv[:, 4 * head_dim: (4 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, (4 + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    caches = [empty_cache("head-major", num_blocks=num_blocks).to(torch.bfloat16) for _ in range(4)]
+
+    cpu.cpu_reshape_and_cache(key, value, caches[0], caches[1], slots.to(torch.int32))
+    ref_reshape_and_cache(key, value, caches[2], caches[3], slots)
+
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_cache_write_refuses_slots_past_the_cache(empty_cache):
+    cache = [empty_cache("head-major") for _ in range(2)]  # 8 blocks of 4: slots 0..31
+    rows = torch.randn(2, 2, 16)
+    with pytest.raises(IndexError, match="1 slot"):
+        cpu.cpu_reshape_and_cache(rows, rows, *cache, torch.tensor([3, 32]))
+
+
+def test_cache_write_casts_k_and_v_of_another_dtype(empty_cache):
+    caches = [empty_cache("head-major").to(torch.bfloat16) for _ in range(4)]
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)  # fp32 into a bf16 cache: the torch path casts
+    slots = torch.tensor([1, 9, 30])
+
+    cpu.cpu_reshape_and_cache(key, value, caches[0], caches[1], slots)
+    ref_reshape_and_cache(key, value, caches[2], caches[3], slots)
 
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
