@@ -7,11 +7,16 @@ so the cache is a single allocation; block 0 is the reserved null block.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig, parse_memory
 from worker_service.models.llama import DecoderConfig
+
+log = logging.getLogger(__name__)
 
 
 def bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -80,15 +85,20 @@ def allocate_kv_caches(
     blocks as contiguous per-head tiles and its SDPA reads contiguous K/V (about 2x faster decode
     attention on the CPU than block-major storage). On CUDA the Triton kernels get plain block-major
     memory. Zero-filled so unused slots never hold NaN/inf (a masked score times a NaN value is
-    still NaN).
+    still NaN). CPU memory is faulted in here, at start, not during the first requests' steps
+    (``cpu_memory.populate_pages``).
     """
     if head_major is None:
         head_major = device.type == "cpu"
     kvh, dh = cfg.num_kv_heads, cfg.head_dim
+    started = time.perf_counter()
     if head_major:
-        storage = cpu_memory.zeros((cfg.num_layers, 2, kvh, num_blocks, block_size, dh), dtype, device)
+        storage = cpu_memory.zeros((cfg.num_layers, 2, kvh, num_blocks, block_size, dh), dtype, device, populate=True)
         storage = storage.permute(0, 1, 3, 4, 2, 5)  # the logical [L, 2, num_blocks, block_size, KVH, Dh]
     else:
-        storage = cpu_memory.zeros((cfg.num_layers, 2, num_blocks, block_size, kvh, dh), dtype, device)
+        storage = cpu_memory.zeros((cfg.num_layers, 2, num_blocks, block_size, kvh, dh), dtype, device, populate=True)
+    if device.type == "cpu":
+        log.info("KV cache: %d blocks, %.2f GiB, memory faulted in at start in %.1f s", num_blocks,
+                 storage.numel() * storage.element_size() / 2**30, time.perf_counter() - started)
     return [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]
 

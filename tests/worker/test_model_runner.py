@@ -189,3 +189,22 @@ def test_huge_page_zeros_are_zero_writable_and_outlive_their_mapping():
     t[2, 999, 15] = 7.0
     assert float(t.sum()) == 7.0
     assert cpu_memory.zeros((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
+
+
+@pytest.mark.parametrize("how", ["madvise", "touch"])
+def test_populated_zeros_are_resident_before_the_first_write(how, monkeypatch):
+    from worker_service import cpu_memory
+
+    if how == "touch":  # a kernel without MADV_POPULATE_WRITE: madvise refuses, one write per page
+        monkeypatch.setattr(cpu_memory, "_MADV_POPULATE_WRITE", 12345)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    t = cpu_memory.zeros((64, 1 << 20), torch.uint8, torch.device("cpu"), populate=True)  # 64 MiB
+    grown = rss() - before
+
+    assert grown >= 60 << 20, f"only {grown >> 20} MiB resident"
+    assert int(t[::4096].sum()) == 0
