@@ -57,8 +57,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """``weight * bf16(x / sqrt(mean(x**2) + eps))`` per row of ``x`` ``[T, D]`` (fp32: the residual
     stream), as bf16 ``[T, D]``. With ``residual`` (bf16 ``[T, D]``, a sub-layer's output), ``x +=
     residual`` first, in place — the add and the norm in one pass."""
-    if not (_rows(x) and x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
-        raise ValueError(f"rms_norm: x must be fp32 rows, weight contiguous bf16 (got {x.dtype}, {weight.dtype})")
+    if not (_rows(x) and x.dtype == torch.float32 and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.shape == (x.shape[1],)):
+        raise ValueError(f"rms_norm: x must be fp32 rows [T, D], weight contiguous bf16 [D] (got {x.dtype} "
+                         f"{tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)})")
     if residual is not None and not (_rows(residual) and residual.dtype == torch.bfloat16 and residual.shape == x.shape):
         raise ValueError(f"rms_norm: residual must be bf16 rows shaped like x (got {residual.dtype} {tuple(residual.shape)})")
     out = torch.empty(x.shape, dtype=torch.bfloat16)

@@ -145,12 +145,13 @@ static inline __attribute__((always_inline)) __m256 sum8(const __m512 *v) {
 #define TILE 16  /* cached tokens per tile: one score per lane */
 
 
-/* The dot product of a query row (fp32, scaled; or raw bf16 pairs) with a cached K row, as 16 partial
- * sums. bf16 rows multiply in pairs with AVX512-BF16's dot product (exact products, fp32 sums). */
+/* The dot product of a query row with a cached K row (fp32 or bf16 as BF16 says), as 16 partial sums.
+ * DP (bf16 rows on AVX512-BF16): raw bf16 query pairs times K pairs by the BF16 dot product (exact
+ * products, fp32 sums); otherwise the fp32, pre-scaled query times the widened K row. */
 static inline __attribute__((always_inline)) __m512 dot16(const float *qf, const bf16_t *qb, const char *k,
-                                                         const int HD, const int BF16) {
+                                                         const int HD, const int BF16, const int DP) {
 #ifdef __AVX512BF16__
-    if (BF16) {
+    if (DP) {
         __m512 d = _mm512_setzero_ps();
         for (int j = 0; j < HD / 32; j++)
             d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(qb + 32 * j),
@@ -159,6 +160,7 @@ static inline __attribute__((always_inline)) __m512 dot16(const float *qf, const
     }
 #endif
     (void)qb;
+    (void)DP;
     __m512 d = _mm512_mul_ps(_mm512_load_ps(qf), load16(k, 0, BF16));
     for (int j = 1; j < HD / 16; j++) d = _mm512_fmadd_ps(_mm512_load_ps(qf + 16 * j), load16(k, 16 * j, BF16), d);
     return d;
@@ -214,7 +216,7 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
         for (int g = 0; g < group; g++) {
             __m512 dots[TILE];
             for (int t = 0; t < TILE; t++)  /* rows past the sequence's end are never read */
-                dots[t] = t < n ? dot16(q[g], qb[g], kb + t * row, HD, DP) : _mm512_setzero_ps();
+                dots[t] = t < n ? dot16(q[g], qb[g], kb + t * row, HD, BF16, DP) : _mm512_setzero_ps();
             const __m512 scores = _mm512_mask_blend_ps(
                 valid, _mm512_set1_ps(-FLT_MAX),
                 _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(sum8(dots)), sum8(dots + 8), 1), score_scale));

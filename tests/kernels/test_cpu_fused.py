@@ -89,6 +89,8 @@ def test_bad_arguments_are_refused_by_name():
     norm = bf16_norm()
     with pytest.raises(ValueError, match="rms_norm: x must be fp32"):
         cpu_fused.rms_norm(torch.randn(2, D).to(torch.bfloat16), norm.weight, 1e-5)
+    with pytest.raises(ValueError, match=r"weight contiguous bf16 \[D\]"):
+        cpu_fused.rms_norm(torch.randn(2, D + 1), norm.weight, 1e-5)  # a weight shorter than the row
     with pytest.raises(ValueError, match="residual"):
         cpu_fused.rms_norm(torch.randn(2, D), norm.weight, 1e-5, residual=torch.randn(3, D).to(torch.bfloat16))
     table = torch.zeros(8, HEAD_DIM)

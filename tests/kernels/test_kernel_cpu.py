@@ -155,6 +155,43 @@ def test_native_build_reports_compiler_errors(monkeypatch, tmp_path):
     assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
 
 
+def _native_flags() -> frozenset[str]:
+    """What the compiler targets with -march=native on this machine."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc")
+    if cc is None:
+        return frozenset()
+    out = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                         text=True, check=False).stdout
+    return frozenset(line.split()[1] for line in out.splitlines() if line.startswith("#define __"))
+
+
+@needs_native
+@pytest.mark.parametrize("extra, needs", [
+    ("-mno-avx512f", "__AVX512F__"),  # the plain C loop, as on a CPU without AVX-512
+    ("-mno-avx512bf16", "__AVX512BF16__"),  # AVX-512 without bf16 dot products: bf16 widened to fp32
+], ids=["plain-c", "avx512-without-bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_compiled_decode_loop_matches_the_reference(paged_batch, bf16_cpu, monkeypatch, tmp_path, extra,
+                                                          needs, dtype):
+    """This machine's build takes the fastest loop its CPU has; the others are built here with a
+    feature switched off, so they are tested on this machine too."""
+    if needs not in _native_flags():
+        pytest.skip(f"this machine's build has no {needs} to switch off: its default build is this loop")
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + (extra,))
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    batch = paged_batch(**DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, head_major=True,
+                        dtype=dtype)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    assert [p.name for p in tmp_path.iterdir()][0].startswith("paged_decode_attention-")  # built with `extra`
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
+
+
 @pytest.fixture
 def torch_decode(monkeypatch):
     """The CPU path as on a machine without a C compiler: decode rows batched in torch."""
