@@ -30,7 +30,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, p
 
     An anonymous private mapping advised ``MADV_HUGEPAGE`` gets 2 MiB pages whether the system's THP
     mode is ``always`` or ``madvise`` (measured here: the reference's K/V gather from a 1.5 GiB cache
-    ran 1.4-1.9x faster). ``populate``: fault every page in now (see :func:`populate`) rather than
+    ran 1.4-1.9x faster). ``populate``: fault every page in now (see :func:`populate_pages`) rather than
     on first write.
     """
     numel = math.prod(shape)
