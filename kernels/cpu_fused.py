@@ -1,8 +1,8 @@
 """Fused element-wise ops of a bf16 decoder layer on the CPU, in C (``csrc/cpu_fused_ops.c``).
 
 torch runs a bf16 RMSNorm (after its residual add) or rotary embedding as four to eight separate
-ops, each reading and writing a temporary and converting bf16 to fp32 and back: on 2 cores, 0.53 and
-1.8 ms per layer for a 2,048-token chunk, 0.30 and 0.19 ms fused. Each function here is one pass,
+ops, each reading and writing a temporary and converting bf16 to fp32 and back: on 2 cores, 0.97 and
+1.63 ms per layer for a 2,048-token chunk, 0.30 and 0.22 ms fused (``benchmarks/cpu_kernels.py``). Each function here is one pass,
 computed as the torch code of ``worker_service.models.layers`` computes it (fp32 arithmetic, bf16
 rounding at the same points), so outputs match it up to fp32 summation order and FMA contraction
 (measured: equal in all but a few of 100,000 elements) — not bit-exact, which is why only bf16 models

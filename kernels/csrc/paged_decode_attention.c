@@ -171,8 +171,8 @@ static inline __attribute__((always_inline)) __m512 dot16(const float *qf, const
  * (sum8); the online softmax runs on that vector (exp16); the accumulator row stays in registers
  * while the tile's V rows go in, read straight from the cache in fp32 or widened once into L1
  * scratch in bf16 (shared by the group's query heads). No software prefetch: on a 2-core EPYC it
- * measured no faster (and slowed a plain read of scattered 2 KiB blocks); the cache is far larger
- * than L3, so a decode step is bound by reading it (~16 GB/s for scattered blocks there). */
+ * measured no faster; the cache is far larger than L3, so a decode step is bound by reading its
+ * scattered blocks (benchmarks/cpu_kernels.py compares the two). */
 static inline __attribute__((always_inline)) void item_avx512(const struct args *a, int64_t item,
                                                                const int HD, const int BF16)
 {

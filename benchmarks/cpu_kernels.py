@@ -1,0 +1,189 @@
+"""The CPU path's C kernels alone, on realistic shapes (SmolLM2-135M: 9 query heads, 3 KV heads,
+head_dim 64, 30 layers, hidden 576), beside what they replace — the figures README's issue-15
+section quotes.
+
+- ``decode``: ``kernels.cpu`` decode attention over a 30-layer bf16 cache of 4,369 blocks (as the
+  offline benchmark allocates), 32 sequences of 350–650 tokens on shuffled blocks, one call per layer
+  as a step makes them. ``--against REV`` also builds ``kernels/csrc/paged_decode_attention.c`` as it
+  was at git revision REV and alternates the two in this process (same inputs, same cache). Printed
+  beside: a plain read of the same blocks (torch ``index_select`` of K and V), the rate the cache can
+  be read at in that pattern.
+- ``fused``: ``kernels.cpu_fused`` (RMSNorm after its residual add, rotary) against the torch code
+  of ``worker_service.models.layers`` at 32, 512 and 2,048 tokens.
+
+Timings are medians of alternating rounds (this host's speed drifts between runs: compare within one).
+
+    python benchmarks/cpu_kernels.py                      # both parts
+    python benchmarks/cpu_kernels.py --part decode --against 2f39b1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kernels import cpu, cpu_fused, native
+from worker_service.cpu_memory import tune_malloc, zeros
+from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, HIDDEN, BLOCK, BLOCKS = 9, 3, 64, 30, 576, 16, 4369
+
+
+def _timed(fn, repeat: int) -> float:
+    started = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - started) / repeat
+
+
+def _old_kernel(rev: str, like: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
+    """The bf16 entry point of the decode kernel's source at ``rev``, built with today's flags."""
+    folder = Path(tempfile.mkdtemp(prefix="pagedserve-kernel-"))
+    for name in ("paged_decode_attention.c", "bf16.h"):
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:kernels/csrc/{name}"], capture_output=True, check=False)
+        if shown.returncode == 0:
+            (folder / name).write_bytes(shown.stdout)
+    library = folder / "old.so"
+    subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, "-o", str(library),
+                    str(folder / "paged_decode_attention.c"), *native.LIBS], check=True)
+    fn = ctypes.CDLL(str(library)).paged_decode_attention_bf16
+    fn.argtypes, fn.restype = like.argtypes, None
+    return fn
+
+
+def decode(rounds: int, against: str | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    caches = []
+    for _ in range(LAYERS):  # head-major memory, the logical [blocks, block, KV heads, head_dim] view
+        k, v = (zeros((KV_HEADS, BLOCKS, BLOCK, HEAD_DIM), torch.bfloat16, torch.device("cpu"), populate=True)
+                for _ in range(2))
+        k.copy_(torch.randn(k.shape, generator=gen)), v.copy_(torch.randn(v.shape, generator=gen))
+        caches.append((k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)))
+    lens = torch.randint(350, 651, (32,), generator=gen)
+    per_seq = -(-651 // BLOCK)
+    tables = torch.randperm(BLOCKS, generator=gen)[: 32 * per_seq].view(32, per_seq).to(torch.int32)
+    query = torch.randn(32, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(query)
+    host_lens = lens.tolist()
+    kernels = {"now": cpu._function(torch.bfloat16)}
+    if kernels["now"] is None or not cpu._supported(query, *caches[0]):
+        raise SystemExit("the C decode kernel is not available for bf16 on this machine")
+    if against:
+        kernels[against] = _old_kernel(against, kernels["now"])
+    real = cpu._function
+
+    def step(fn) -> None:
+        cpu._function = lambda dtype=torch.float32: fn
+        try:
+            for key_cache, value_cache in caches:
+                cpu._native_decode(query, key_cache, value_cache, tables, lens, host_lens, HEAD_DIM ** -0.5, out)
+        finally:
+            cpu._function = real
+
+    results = {}
+    for name, fn in kernels.items():
+        step(fn)
+        results[name] = out.clone()
+    if against:
+        diff = (results["now"].float() - results[against].float()).abs().max().item()
+        print(f"largest difference now vs {against}: {diff:.2e} (bf16 outputs)")
+    ids = tables.flatten().long()
+    flat = [(k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)) for k, v in caches]
+
+    def read() -> None:
+        for k, v in flat:
+            k.index_select(1, ids), v.index_select(1, ids)
+
+    times: dict[str, list[float]] = {name: [] for name in [*kernels, "plain read"]}
+    for r in range(rounds):
+        order = list(kernels.items()) if r % 2 == 0 else list(reversed(kernels.items()))
+        for name, fn in order:
+            times[name].append(_timed(lambda fn=fn: step(fn), 5) / LAYERS)
+        times["plain read"].append(_timed(read, 3) / LAYERS)
+    cached = sum(host_lens) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V bytes attention reads per layer
+    read_bytes = ids.numel() * BLOCK * KV_HEADS * HEAD_DIM * 2 * 2
+    print(f"decode attention, 32 sequences of {min(host_lens)}-{max(host_lens)} tokens, {LAYERS} layers, "
+          f"{torch.get_num_threads()} threads, medians of {rounds} rounds:")
+    for name, values in times.items():
+        moved = read_bytes if name == "plain read" else cached
+        ms = statistics.median(values) * 1e3
+        print(f"  {name:>12}: {ms:.3f} ms a layer, {moved / ms / 1e6:.1f} GB/s of K/V "
+              f"(rounds: {', '.join(f'{v * 1e3:.3f}' for v in values)})")
+
+
+def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.Generator,
+                 rounds: int) -> dict[str, float]:
+    """Median seconds of each op at ``tokens`` tokens."""
+    x = torch.randn(tokens, HIDDEN, generator=gen) * 3
+    y = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, rope.cos.shape[0], (tokens,), generator=gen)
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(torch.bfloat16)
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM)
+    cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]
+
+    def torch_norm(h: torch.Tensor) -> torch.Tensor:  # RMSNorm's torch code, as the model ran it before
+        h = h.float()
+        return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)).to(torch.bfloat16)
+
+    cases = {
+        "add + RMSNorm, torch": lambda: torch_norm(x + y),
+        "add + RMSNorm, fused": lambda: cpu_fused.rms_norm(x.clone(), norm.weight, norm.eps, residual=y),
+        "(the clone above)": lambda: x.clone(),
+        "rotary, torch": lambda: apply_rope(qk, cos, sin),
+        "rotary, fused": lambda: cpu_fused.rope_(qk, positions, rope.cos, rope.sin),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            times[name].append(_timed(fn, 50))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def fused(rounds: int) -> None:
+    if not cpu_fused.available():
+        raise SystemExit("the fused ops are not available on this machine")
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(HIDDEN, 1e-5)
+    norm.weight.data = torch.randn(HIDDEN, generator=gen)
+    norm = norm.to(torch.bfloat16)
+    rope = RotaryEmbedding(1.0 / 100000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM), 8192)
+    print(f"fused bf16 ops against the torch code, {torch.get_num_threads()} threads, medians of {rounds} rounds (ms):")
+    with torch.inference_mode():
+        for tokens in (32, 512, 2048):
+            times = _fused_times(tokens, norm, rope, gen, rounds)
+            print(f"  {tokens:>5} tokens: " + ", ".join(f"{name} {t * 1e3:.3f}" for name, t in times.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["decode", "fused", "both"], default="both")
+    parser.add_argument("--against", metavar="REV", help="also time the decode kernel's source at this git revision")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    tune_malloc()  # as the worker runs
+    print(f"load average at start {os.getloadavg()}")
+    if args.part in ("decode", "both"):
+        decode(args.rounds, args.against)
+    if args.part in ("fused", "both"):
+        fused(args.rounds)
+    print(f"load average at end {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
