@@ -38,7 +38,7 @@ from kernels import cpu, cpu_fused, native
 from worker_service.cpu_memory import tune_malloc, zeros
 from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS, HIDDEN, BLOCK, BLOCKS = 9, 3, 64, 30, 576, 16, 4369
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, BLOCK = 9, 3, 64, 576, 16
 
 
 def _timed(fn, repeat: int) -> float:
@@ -63,17 +63,19 @@ def _old_kernel(rev: str, like: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
     return fn
 
 
-def decode(rounds: int, against: str | None) -> None:
+def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 4369) -> None:
+    if blocks < 32 * -(-651 // BLOCK):
+        raise SystemExit(f"--blocks must be at least {32 * -(-651 // BLOCK)} (32 sequences of up to 651 tokens)")
     gen = torch.Generator().manual_seed(0)
     caches = []
-    for _ in range(LAYERS):  # head-major memory, the logical [blocks, block, KV heads, head_dim] view
-        k, v = (zeros((KV_HEADS, BLOCKS, BLOCK, HEAD_DIM), torch.bfloat16, torch.device("cpu"), populate=True)
+    for _ in range(layers):  # head-major memory, the logical [blocks, block, KV heads, head_dim] view
+        k, v = (zeros((KV_HEADS, blocks, BLOCK, HEAD_DIM), torch.bfloat16, torch.device("cpu"), populate=True)
                 for _ in range(2))
         k.copy_(torch.randn(k.shape, generator=gen)), v.copy_(torch.randn(v.shape, generator=gen))
         caches.append((k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)))
     lens = torch.randint(350, 651, (32,), generator=gen)
     per_seq = -(-651 // BLOCK)
-    tables = torch.randperm(BLOCKS, generator=gen)[: 32 * per_seq].view(32, per_seq).to(torch.int32)
+    tables = torch.randperm(blocks, generator=gen)[: 32 * per_seq].view(32, per_seq).to(torch.int32)
     query = torch.randn(32, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     out = torch.empty_like(query)
     host_lens = lens.tolist()
@@ -110,11 +112,11 @@ def decode(rounds: int, against: str | None) -> None:
     for r in range(rounds):
         order = list(kernels.items()) if r % 2 == 0 else list(reversed(kernels.items()))
         for name, fn in order:
-            times[name].append(_timed(lambda fn=fn: step(fn), 5) / LAYERS)
-        times["plain read"].append(_timed(read, 3) / LAYERS)
+            times[name].append(_timed(lambda fn=fn: step(fn), 5) / layers)
+        times["plain read"].append(_timed(read, 3) / layers)
     cached = sum(host_lens) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V bytes attention reads per layer
     read_bytes = ids.numel() * BLOCK * KV_HEADS * HEAD_DIM * 2 * 2
-    print(f"decode attention, 32 sequences of {min(host_lens)}-{max(host_lens)} tokens, {LAYERS} layers, "
+    print(f"decode attention, 32 sequences of {min(host_lens)}-{max(host_lens)} tokens, {layers} layers, "
           f"{torch.get_num_threads()} threads, medians of {rounds} rounds:")
     for name, values in times.items():
         moved = read_bytes if name == "plain read" else cached
@@ -173,12 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", metavar="REV", help="also time the decode kernel's source at this git revision")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=30, help="decode: cache layers (SmolLM2-135M has 30)")
+    parser.add_argument("--blocks", type=int, default=4369, help="decode: cache blocks per layer (at least 1,312)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     tune_malloc()  # as the worker runs
     print(f"load average at start {os.getloadavg()}")
     if args.part in ("decode", "both"):
-        decode(args.rounds, args.against)
+        decode(args.rounds, args.against, args.layers, args.blocks)
     if args.part in ("fused", "both"):
         fused(args.rounds)
     print(f"load average at end {os.getloadavg()}")

@@ -1,0 +1,24 @@
+"""benchmarks/cpu_kernels.py runs (tiny sizes): it cannot rot between the runs the README quotes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu, cpu_fused
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not (cpu.available() and cpu_fused.available()), reason="no C compiler on this machine")
+def test_the_cpu_kernel_benchmark_runs_and_reports_both_parts():
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_kernels.py"), "--layers", "2",
+                           "--blocks", "1400", "--rounds", "1"], capture_output=True, text=True, timeout=240,
+                          check=False)
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ms a layer" in done.stdout and "plain read" in done.stdout
+    assert "2048 tokens: add + RMSNorm, torch" in done.stdout and "rotary, fused" in done.stdout
