@@ -125,6 +125,10 @@ def build(name: str) -> Path:
 
 def load(name: str) -> ctypes.CDLL | None:
     """The library built from ``csrc/<name>.c`` (built on first use), or ``None`` if it can't be."""
+    try:  # the per-layer path: no lock once loaded (a dict read is atomic)
+        return _loaded[name]
+    except KeyError:
+        pass
     with _lock:
         if name not in _loaded:
             library = None
