@@ -55,17 +55,17 @@ def native_bf16() -> str | None:
 _ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 
 
+_P, _I64, _I32 = native.PTR, native.I64, native.INT
+_DECODE_ARGTYPES = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64,
+                    _I32, _I32, _I32, _I32, _I32, native.FLOAT, _I32]
+_WRITE_ARGTYPES = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I32, _I32, _I32, _I32,
+                   _I32]
+
+
 def _function(dtype: torch.dtype = torch.float32) -> ctypes._CFuncPtr | None:
-    library = native.load(_KERNEL)
-    if library is None or dtype not in _ENTRY_POINTS:
+    if dtype not in _ENTRY_POINTS:
         return None
-    fn = getattr(library, _ENTRY_POINTS[dtype])
-    if fn.argtypes is None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, i64, p, p, i64, i64,
-                       i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        fn.restype = None
-    return fn
+    return native.function(_KERNEL, _ENTRY_POINTS[dtype], _DECODE_ARGTYPES)
 
 
 def available() -> bool:
@@ -119,19 +119,8 @@ def _native_decode(
         out.copy_(target)
 
 
-_WRITE_KERNEL = "cache_write"
-
-
 def _write_function() -> ctypes._CFuncPtr | None:
-    library = native.load(_WRITE_KERNEL)
-    if library is None:
-        return None
-    fn = library.cache_write
-    if fn.argtypes is None:
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, i64, i64, p, i64, i64, i32, i32, i32, i32, i32]
-        fn.restype = i64
-    return fn
+    return native.function("cache_write", "cache_write", _WRITE_ARGTYPES, native.I64)
 
 
 def cpu_reshape_and_cache(

@@ -21,25 +21,20 @@ import torch
 from kernels import native
 
 _LIBRARY = "cpu_fused_ops"
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_P, _I64, _I32, _F32 = native.PTR, native.I64, native.INT, native.FLOAT
 _SIGNATURES = {
     "rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32],
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32],
 }
 
 
-def _library() -> ctypes.CDLL | None:
-    library = native.load(_LIBRARY)
-    if library is not None and library.rms_norm_bf16.argtypes is None:
-        for name, argtypes in _SIGNATURES.items():
-            getattr(library, name).argtypes = argtypes
-            getattr(library, name).restype = None
-    return library
+def _entry(symbol: str) -> ctypes._CFuncPtr:
+    return native.function(_LIBRARY, symbol, _SIGNATURES[symbol])
 
 
 def available() -> bool:
     """Whether the fused ops could be built and loaded on this machine."""
-    return _library() is not None
+    return native.load(_LIBRARY) is not None
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -64,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None and not (_rows(residual) and residual.dtype == torch.bfloat16 and residual.shape == x.shape):
         raise ValueError(f"rms_norm: residual must be bf16 rows shaped like x (got {residual.dtype} {tuple(residual.shape)})")
     out = torch.empty(x.shape, dtype=torch.bfloat16)
-    _library().rms_norm_bf16(
+    _entry("rms_norm_bf16")(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
         x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
@@ -85,6 +80,6 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     pos = positions.to(torch.int64).contiguous()
     if not positions_checked and pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= cos.shape[0]):
         raise ValueError(f"rope_: positions must lie in [0, {cos.shape[0]})")
-    _library().rope_bf16(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2],
+    _entry("rope_bf16")(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2],
                          pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), torch.get_num_threads())
     return x

@@ -141,6 +141,23 @@ def load(name: str) -> ctypes.CDLL | None:
         return _loaded[name]
 
 
+# ctypes argument types of the kernels' entry points (pointers, int64 strides and sizes, int, float)
+PTR, I64, INT, FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def function(name: str, symbol: str, argtypes: list, restype: type | None = None) -> ctypes._CFuncPtr | None:
+    """Entry point ``symbol`` of the library built from ``csrc/<name>.c``, its argument and result
+    types set (ctypes checks and converts each call's arguments by them), or ``None`` if the library
+    can't be had (see :func:`load`)."""
+    library = load(name)
+    if library is None:
+        return None
+    fn = getattr(library, symbol)  # ctypes keeps one object per symbol: the types are set once
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kernels.native``: build every kernel in csrc/ for this machine (used by make)."""
     import argparse

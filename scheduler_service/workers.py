@@ -54,7 +54,6 @@ CONNECT_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 2.0
 
 
-
 def scheduler_config_for(settings: SchedulerSettings, worker: WorkerDescription) -> SchedulerConfig:
     """How to batch for ``worker``: this scheduler's settings within what the worker states (its
     batch and step limits are maxima; 0 in a setting means the worker's), and its attention cap per
@@ -70,6 +69,7 @@ def scheduler_config_for(settings: SchedulerSettings, worker: WorkerDescription)
                                        else worker.prefill_chunk_attention_limit),
         enable_chunked_prefill=s.enable_chunked_prefill,
         enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
+
 
 class WorkerPool:
     """One WorkerEngine per driven worker, by address.

@@ -48,6 +48,21 @@ struct args {
     float scale;
 };
 
+/* The item's output rows: each query head's accumulator over its softmax denominator, in the entry
+ * point's dtype (bf16 rounded once, to nearest even). */
+static inline __attribute__((always_inline)) void store_rows(const struct args *a, int s, int h,
+                                                              float acc[][MAX_HEAD_DIM], const float *denom,
+                                                              const int HD, const int BF16)
+{
+    const int64_t elem = BF16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
+    for (int g = 0; g < a->group; g++) {
+        char *o = a->out + (s * a->o_stride_tok + (int64_t)(h * a->group + g) * a->o_stride_head) * elem;
+        const float inv = 1.f / denom[g];
+        if (BF16) for (int d = 0; d < HD; d++) ((bf16_t *)o)[d] = f32_to_bf16(acc[g][d] * inv);
+        else for (int d = 0; d < HD; d++) ((float *)o)[d] = acc[g][d] * inv;
+    }
+}
+
 /* The attention of one work item (sequence s, KV head h) for its `group` query heads: plain C. */
 static inline __attribute__((always_inline)) void item_scalar(const struct args *a, int64_t item,
                                                                const int HD, const int BF16)
@@ -92,12 +107,7 @@ static inline __attribute__((always_inline)) void item_scalar(const struct args 
             for (int d = 0; d < HD; d++) acc[g][d] = acc_row[d];
         }
     }
-    for (int g = 0; g < group; g++) {
-        char *o = a->out + (s * a->o_stride_tok + (int64_t)(h * group + g) * a->o_stride_head) * elem;
-        const float inv = 1.f / denom[g];
-        if (BF16) for (int d = 0; d < HD; d++) ((bf16_t *)o)[d] = f32_to_bf16(acc[g][d] * inv);
-        else for (int d = 0; d < HD; d++) ((float *)o)[d] = acc[g][d] * inv;
-    }
+    store_rows(a, s, h, acc, denom, HD, BF16);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -238,12 +248,7 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
             for (int j = 0; j < NV; j++) _mm512_store_ps(&acc[g][16 * j], acc_row[j]);
         }
     }
-    for (int g = 0; g < group; g++) {
-        char *o = a->out + (s * a->o_stride_tok + (int64_t)(h * group + g) * a->o_stride_head) * elem;
-        const float inv = 1.f / denom[g];
-        if (BF16) for (int d = 0; d < HD; d++) ((bf16_t *)o)[d] = f32_to_bf16(acc[g][d] * inv);
-        else for (int d = 0; d < HD; d++) ((float *)o)[d] = acc[g][d] * inv;
-    }
+    store_rows(a, s, h, acc, denom, HD, BF16);
 }
 #define ITEM_FAST item_avx512
 #else

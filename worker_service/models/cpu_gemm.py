@@ -80,16 +80,18 @@ def prepack_linears(layers: nn.Module) -> int:
                if isinstance(child, nn.Linear)]
     if not targets:
         return 0
-    first = targets[0][2]
+    first_parent, first_name, first = targets[0]
     if not supported(first.weight.dtype, first.weight.device):
         return 0
     try:
-        if not _agrees(first, PackedLinear.of(first)):
+        packed_first = PackedLinear.of(first)
+        if not _agrees(first, packed_first):
             log.warning("oneDNN's packed GEMM differs from F.linear in this torch build: weights left unpacked")
             return 0
     except RuntimeError as exc:  # an op missing a kernel for this CPU or dtype
         log.warning("cannot pack linear weights for oneDNN (%s): weights left unpacked", exc)
         return 0
-    for parent, name, linear in targets:
+    setattr(first_parent, first_name, packed_first)  # the checked one, not packed a second time
+    for parent, name, linear in targets[1:]:
         setattr(parent, name, PackedLinear.of(linear))
     return len(targets)
