@@ -4,6 +4,7 @@ process on the same requests.
     python benchmarks/serve.py --start-stack --model smollm2-135m --num-requests 200 --llm
     python benchmarks/serve.py --start-stack --llm --num-requests 64 --input-len 256 --output-len 128 \
         --range-ratio 0.5 --torch-threads 2 --rounds 3     # issue 15's served-vs-in-process check
+    (add --stream-interval 4: the scheduler publishes a request's tokens four at a time)
     python benchmarks/serve.py --address 127.0.0.1:50051 --request-rate 8
     python benchmarks/serve.py --start-stack --backend both     # gRPC SDK vs OpenAI HTTP API
     python benchmarks/serve.py --http-url http://127.0.0.1:8000/v1 --backend openai
@@ -292,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llm", action="store_true", help="also run pagedserve.LLM on the same requests")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="intra-op threads for the worker and the in-process engine alike (0: torch's default)")
+    parser.add_argument("--stream-interval", type=int, default=0,
+                        help="with --start-stack: the scheduler's --stream-interval (tokens per published record; "
+                             "0: the scheduler's default, 1)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the runs this many times, alternating stack and --llm on fresh prompts "
                              "(the machine's speed drifts between runs: the median pair compares fairly)")
@@ -303,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.torch_threads:  # the stack's processes inherit it; the in-process engine is set below
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+    if args.stream_interval:
+        if not args.start_stack:
+            parser.error("--stream-interval is set on the stack this script starts (--start-stack)")
+        os.environ["PAGEDSERVE_STREAM_INTERVAL"] = str(args.stream_interval)
 
     engine_options = {"max_num_seqs": args.max_num_seqs}
     if args.kv_cache_memory:

@@ -24,6 +24,7 @@ from scheduler_service import convert
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.redis_queue import RedisQueue
+from scheduler_service.stream_interval import StreamBatcher
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
@@ -50,14 +51,17 @@ class WorkerEngine:
     Invariants: ``_entry_ids`` holds exactly the requests handed to this engine and not yet
     published as finished, handed back, or dropped (in the inbox or live in the core); each is
     XACKed once, when its finishing record is published. Every output token a request of the core
-    holds has been published once the pipeline in flight (``_publishing``) completes.
+    holds has been published once the pipeline in flight (``_publishing``) completes, except at
+    most ``stream_interval - 1`` per request held back by ``_batcher`` (published before the
+    request is handed back or fails).
     """
 
     def __init__(self, client: WorkerClient, description: WorkerDescription, core: Scheduler,
                  queue: RedisQueue, *, max_queued: int, on_finished: Callable[[int, int], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None,
-                 on_queue_time: Callable[[str, float], None] | None = None) -> None:
+                 on_queue_time: Callable[[str, float], None] | None = None, stream_interval: int = 1) -> None:
         self.client = client
+        self._batcher = StreamBatcher(stream_interval)
         self._on_queue_time = on_queue_time  # (model, seconds from arrival) at a request's first scheduling
         self.address = client.address
         self.worker_id = description.worker_id
@@ -201,6 +205,7 @@ class WorkerEngine:
         """Publish what is pending (aborts included), then give every unfinished request back."""
         try:
             await self._admit_and_abort()
+            await self._publish(self._batcher.flush(), held_back=True)  # the tokens held back go out first
             if self._publishing is not None:
                 await self._publishing
         except Exception as exc:
@@ -228,6 +233,7 @@ class WorkerEngine:
             drops, self._drops = self._drops, set()
             self._inbox = [r for r in self._inbox if r.request_id not in drops]
             self.core.abort(drops)  # frees their blocks; the records are not ours to publish
+            self._batcher.forget(drops)
             self._aborts -= drops
         if self._inbox:
             inbox, self._inbox = self._inbox, []
@@ -243,13 +249,17 @@ class WorkerEngine:
             await self._publish(outputs, errors)
 
     async def _publish(self, outputs: list[EngineCoreOutput],
-                       errors: list[tuple[str, str, str]] = ()) -> None:
+                       errors: list[tuple[str, str, str]] = (), *, held_back: bool = False) -> None:
         """One Redis transaction: every output record, then XACK + delete of the finished requests.
 
         The transaction runs while the next step computes; they go out one at a time, in step
         order (each waits for the previous one), so a request's records stay in index order.
         Records of requests no longer held (dropped) are not published."""
         held = self._entry_ids
+        if not held_back:  # a step's outputs: those due now (``held_back``: what the batcher held)
+            outputs = self._batcher.take(outputs)
+        if errors:  # a failing request's held tokens go out before its error record
+            outputs += self._batcher.flush(rid for rid, _field, _message in errors)
         records = [(o.request_id, convert.engine_output_to_record(o)) for o in outputs if o.request_id in held]
         finished_entries = []
         num_aborted = 0

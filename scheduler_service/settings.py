@@ -67,6 +67,10 @@ class SchedulerSettings:
     policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order")
     max_queued_per_worker: int = setting(
         0, help="requests pulled per worker beyond its batch (0: as many as max-num-seqs)")
+    stream_interval: int = setting(
+        1, help="publish a running request's tokens once this many wait (its first and last at once): fewer, "
+                "larger messages through Redis, gateways and client streams, so less CPU per token where they "
+                "share cores with a worker, for burstier streaming (1: every step)")
     output_ttl_s: int = output_ttl_setting()
     discovery_interval_s: float = setting(2.0, help="registry scan / reconnect period")
     poll_block_ms: int = setting(1000, help="longest blocking Redis read (bounds shutdown latency)")
@@ -114,6 +118,8 @@ class SchedulerSettings:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
         check_port("port", self.port)
         check_port("metrics_port", self.metrics_port, allow_off=True)
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval: must be >= 1, got {self.stream_interval}")
         if self.output_ttl_s < 1:
             raise ValueError(f"output_ttl_s: must be >= 1, got {self.output_ttl_s}")
         if self.discovery_interval_s <= 0 or self.poll_block_ms < 1:
