@@ -144,6 +144,24 @@ async def test_a_dead_letter_ends_the_request_for_its_client_and_keeps_the_entry
     assert convert.delivered_outputs(records) == ([], True)
 
 
+async def test_publish_appends_every_record_in_order_renews_ttls_and_acks_the_finished(redis):
+    keys = RedisKeys("publish-test:")
+    ids = await admit_entries(redis, keys, 3)
+    queue = RedisQueue(redis, keys, "s", output_ttl_s=60)
+    await queue.pull(3, 10)
+    await queue.publish([("r0", b"a0"), ("r1", b"b0"), ("r0", b"a1")], [])
+    await queue.publish([("r2", b"c0"), ("r0", b"a2")], [ids[0], ids[2]])
+    await queue.publish([], [])  # nothing: no command
+    assert [f[b"data"] for _id, f in await redis.xrange(keys.output("r0"))] == [b"a0", b"a1", b"a2"]
+    assert [f[b"data"] for _id, f in await redis.xrange(keys.output("r1"))] == [b"b0"]
+    assert [f[b"data"] for _id, f in await redis.xrange(keys.output("r2"))] == [b"c0"]
+    assert all(0 < ttl <= 60 for ttl in [await redis.ttl(keys.output(r)) for r in ("r0", "r1", "r2")])
+    assert [e[0].decode() for e in await redis.xrange(keys.requests)] == [ids[1]]  # the finished are deleted
+    assert (await redis.xpending(keys.requests, SCHEDULER_GROUP))["pending"] == 1  # and acknowledged
+    await queue.publish([], [ids[1]])  # finishing records may come with no output
+    assert await redis.xlen(keys.requests) == 0
+
+
 async def test_released_entries_are_taken_over_at_once(redis):
     keys = RedisKeys("release-test:")
     ids = await admit_entries(redis, keys, 2)
