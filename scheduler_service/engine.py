@@ -250,9 +250,9 @@ class WorkerEngine:
 
     async def _publish(self, outputs: list[EngineCoreOutput],
                        errors: list[tuple[str, str, str]] = (), *, held_back: bool = False) -> None:
-        """One Redis transaction: every output record, then XACK + delete of the finished requests.
+        """One Redis script: every output record, then XACK + delete of the finished requests.
 
-        The transaction runs while the next step computes; they go out one at a time, in step
+        The script runs while the next step computes; they go out one at a time, in step
         order (each waits for the previous one), so a request's records stay in index order.
         Records of requests no longer held (dropped) are not published."""
         held = self._entry_ids

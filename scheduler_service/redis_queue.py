@@ -87,9 +87,10 @@ for i = 2, #KEYS do
   redis.call('XADD', KEYS[i], '*', 'data', ARGV[2 + n + i])
   redis.call('EXPIRE', KEYS[i], ARGV[2])
 end
-if n > 0 then
-  redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 4, 3 + n))
-  redis.call('XDEL', KEYS[1], unpack(ARGV, 4, 3 + n))
+for first = 4, 3 + n, 500 do  -- 500 ids a call: Lua's unpack has a stack limit
+  local last = math.min(first + 499, 3 + n)
+  redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
+  redis.call('XDEL', KEYS[1], unpack(ARGV, first, last))
 end
 return #KEYS - 1
 """
@@ -156,8 +157,7 @@ class RedisQueue:
     async def publish(self, outputs: list[tuple[str, bytes]], finished_entry_ids: list[str]) -> None:
         """In one script: append each (request id, EngineOutput) to its output stream and renew
         the stream's TTL; XACK and delete the request entries of finished requests. Atomic, so a
-        scheduler that dies mid-publish leaves either all of a step's records or none. A step
-        finishes at most a batch of requests, far below the script's argument limit."""
+        scheduler that dies mid-publish leaves either all of a step's records or none."""
         if not outputs and not finished_entry_ids:
             return
         keys = self._keys

@@ -32,8 +32,8 @@ def _merge(first: EngineCoreOutput, then: EngineCoreOutput) -> EngineCoreOutput:
 class StreamBatcher:
     """Per engine: the step outputs to publish now, the rest held until ``interval`` tokens wait.
 
-    Invariant: ``_held`` has at most one record per request, with 1 .. interval - 1 tokens, of a
-    request whose first tokens went out (``_started``) and that has not finished."""
+    Invariant: ``_held`` has at most one record per request, with fewer than ``interval`` tokens,
+    of a request whose first tokens went out (``_started``) and that has not finished."""
 
     def __init__(self, interval: int = 1) -> None:
         if interval < 1:

@@ -162,6 +162,20 @@ async def test_publish_appends_every_record_in_order_renews_ttls_and_acks_the_fi
     assert await redis.xlen(keys.requests) == 0
 
 
+async def test_publish_finishes_more_entries_than_one_lua_unpack_takes(redis):
+    keys = RedisKeys("publish-many-test:")
+    await ensure_request_group(redis, keys)
+    pipe = redis.pipeline(transaction=False)
+    for i in range(9000):  # a failing engine publishes every entry it holds at once
+        pipe.xadd(keys.requests, {"request_id": f"r{i}", "data": b"x"})
+    ids = [i.decode() for i in await pipe.execute()]
+    queue = RedisQueue(redis, keys, "s", output_ttl_s=60)
+    assert len(await queue.pull(9000, 10)) == 9000
+    await queue.publish([("r0", b"last")], ids)
+    assert await redis.xlen(keys.requests) == 0
+    assert (await redis.xpending(keys.requests, SCHEDULER_GROUP))["pending"] == 0
+
+
 async def test_released_entries_are_taken_over_at_once(redis):
     keys = RedisKeys("release-test:")
     ids = await admit_entries(redis, keys, 2)
