@@ -186,7 +186,7 @@ class WorkerEngine:
                     self._observe_queue_times(scheduler_output.scheduled_new_reqs)
                 runner_output = await self.client.step(scheduler_output)
                 self.num_steps += 1
-                await self._publish(core.update_from_output(scheduler_output, runner_output))
+                await self._publish(self._batcher.take(core.update_from_output(scheduler_output, runner_output)))
         except WorkerLostError as exc:
             self.connected = False
             if cancel_requested():
@@ -205,7 +205,7 @@ class WorkerEngine:
         """Publish what is pending (aborts included), then give every unfinished request back."""
         try:
             await self._admit_and_abort()
-            await self._publish(self._batcher.flush(), held_back=True)  # the tokens held back go out first
+            await self._publish(self._batcher.flush())  # the tokens held back go out first
             if self._publishing is not None:
                 await self._publishing
         except Exception as exc:
@@ -246,20 +246,19 @@ class WorkerEngine:
             aborts, self._aborts = self._aborts, set()
             outputs = self.core.abort(aborts)
         if outputs or errors:
-            await self._publish(outputs, errors)
+            await self._publish(self._batcher.take(outputs), errors)
 
     async def _publish(self, outputs: list[EngineCoreOutput],
-                       errors: list[tuple[str, str, str]] = (), *, held_back: bool = False) -> None:
+                       errors: list[tuple[str, str, str]] = ()) -> None:
         """One Redis script: every output record, then XACK + delete of the finished requests.
+        ``outputs`` are what is due now (step and abort outputs pass through ``_batcher.take`` first).
 
         The script runs while the next step computes; they go out one at a time, in step
         order (each waits for the previous one), so a request's records stay in index order.
         Records of requests no longer held (dropped) are not published."""
         held = self._entry_ids
-        if not held_back:  # a step's outputs: those due now (``held_back``: what the batcher held)
-            outputs = self._batcher.take(outputs)
         if errors:  # a failing request's held tokens go out before its error record
-            outputs += self._batcher.flush(rid for rid, _field, _message in errors)
+            outputs = [*outputs, *self._batcher.flush(rid for rid, _field, _message in errors)]
         records = [(o.request_id, convert.engine_output_to_record(o)) for o in outputs if o.request_id in held]
         finished_entries = []
         num_aborted = 0

@@ -48,7 +48,7 @@ class StreamBatcher:
 
     def take(self, outputs: Iterable[EngineCoreOutput]) -> list[EngineCoreOutput]:
         """Of one step's outputs (merged with what each request held), those to publish now, in order."""
-        if self.interval == 1 and not self._held:
+        if self.interval == 1:  # nothing is ever held
             return list(outputs)
         ready: list[EngineCoreOutput] = []
         for out in outputs:

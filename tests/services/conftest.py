@@ -201,9 +201,11 @@ async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_que
         await redis.aclose()
 
 
-@pytest_asyncio.fixture(loop_scope="session", scope="session")
-async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
-    """Worker (real model runner), scheduler and gateway in this process, on free ports."""
+@contextlib.asynccontextmanager
+async def in_process_stack(model_dir: str, hf_model, hf_tokenizer, redis_url: str, *, key_prefix: str = "ps:",
+                           **scheduler_options):
+    """Worker (real model runner), scheduler (``scheduler_options`` added to its settings) and
+    gateway in this process, on free ports, using the keys under ``key_prefix``."""
     from gateway_service.main import GatewayApp
     from gateway_service.settings import GatewaySettings
     from scheduler_service.service import SchedulerApp
@@ -212,20 +214,30 @@ async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
     from worker_service.main import WorkerApp, WorkerSettings
     from worker_service.model_runner import ModelRunner
 
-    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
+    runner = ModelRunner(ModelRunnerConfig(model=model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
                                            dtype=DTYPE), hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_server.url,
-                                      drain_grace_s=2), runner=runner)
+    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_url,
+                                      key_prefix=key_prefix, drain_grace_s=2), runner=runner)
     await worker.start()
-    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_server.url, workers=(worker.address,), port=0,
-                                               metrics_port=0,
-                                               poll_block_ms=200, drain_grace_s=2))
+    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_url, workers=(worker.address,), port=0,
+                                               metrics_port=0, key_prefix=key_prefix, poll_block_ms=200,
+                                               drain_grace_s=2, **scheduler_options))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_server.url,
-                                         read_block_ms=200, drain_grace_s=2), hf_tokenizer=hf_tokenizer)
+    gateway = GatewayApp(GatewaySettings(model=model_dir, port=0, http_port=0, redis_url=redis_url,
+                                         key_prefix=key_prefix, read_block_ms=200, drain_grace_s=2),
+                         hf_tokenizer=hf_tokenizer)
     await gateway.start()
-    yield Stack(worker, scheduler, gateway, redis_server.url, tiny_model_dir)
-    await gateway.drain(1)
-    await scheduler.drain(1)
-    await worker.drain(1)
+    try:
+        yield Stack(worker, scheduler, gateway, redis_url, model_dir)
+    finally:
+        await gateway.drain(1)
+        await scheduler.drain(1)
+        await worker.drain(1)
+
+
+@pytest_asyncio.fixture(loop_scope="session", scope="session")
+async def stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server):
+    """The session's in-process stack (see :func:`in_process_stack`)."""
+    async with in_process_stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server.url) as served:
+        yield served

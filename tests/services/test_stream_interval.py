@@ -195,43 +195,20 @@ async def test_a_failing_requests_held_tokens_precede_its_error_record():
 @pytest.mark.asyncio(loop_scope="session")
 async def test_a_stack_with_stream_interval_streams_the_same_tokens_in_fewer_chunks(
         tiny_model_dir, hf_model, hf_tokenizer, redis_server, llm):
-    from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
     from pagedserve.aio_client import AsyncClient
-    from scheduler_service.service import SchedulerApp
     from servicekit.contract.sampling_params import SamplingParams
-    from tests.services.conftest import DTYPE, MAX_NUM_SEQS, NUM_BLOCKS
-    from worker_service.config import ModelRunnerConfig
-    from worker_service.main import WorkerApp, WorkerSettings
-    from worker_service.model_runner import ModelRunner
+    from tests.services.conftest import in_process_stack
 
-    prefix = "si:"  # a stack of its own beside the session's
-    runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
-                                           dtype=DTYPE), hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_server.url,
-                                      key_prefix=prefix, drain_grace_s=2), runner=runner)
-    await worker.start()
-    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_server.url, workers=(worker.address,), port=0,
-                                               metrics_port=0, key_prefix=prefix, poll_block_ms=200,
-                                               drain_grace_s=2, stream_interval=4))
-    await scheduler.start()
-    await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_server.url,
-                                         key_prefix=prefix, read_block_ms=200, drain_grace_s=2),
-                         hf_tokenizer=hf_tokenizer)
-    await gateway.start()
     prompts = ["The quick brown fox jumps over the lazy dog", "Once upon a time", "1, 2, 3,"]
     expected = llm.generate(prompts, SamplingParams(max_tokens=21, temperature=0, ignore_eos=True))
-    try:
-        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=60) as client:
-            async def chunks(prompt):
-                async with client.stream(prompt, max_tokens=21, temperature=0, ignore_eos=True) as stream:
-                    return [chunk async for chunk in stream]
-            results = await asyncio.gather(*(chunks(p) for p in prompts))
-    finally:
-        await gateway.drain(1)
-        await scheduler.drain(1)
-        await worker.drain(1)
+    # a stack of its own beside the session's, on other keys
+    async with (in_process_stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server.url, key_prefix="si:",
+                                 stream_interval=4) as stack,
+                AsyncClient(stack.gateway_address, timeout=60) as client):
+        async def chunks(prompt):
+            async with client.stream(prompt, max_tokens=21, temperature=0, ignore_eos=True) as stream:
+                return [chunk async for chunk in stream]
+        results = await asyncio.gather(*(chunks(p) for p in prompts))
     for got, want in zip(results, expected):
         assert [t for c in got for t in c.token_ids] == want.token_ids
         assert "".join(c.text for c in got) == want.text
