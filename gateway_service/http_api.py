@@ -26,6 +26,7 @@ from contextlib import aclosing
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -73,6 +74,15 @@ def check_request(request: Request, keys: KeyStore, *, open_route: bool = False)
 def _error(exc: PagedServeError) -> JSONResponse:
     status, body = error_body(exc)
     return JSONResponse(body, status_code=status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route: 404, a route's wrong method: 405) in OpenAI's error
+    shape, like every other error here, so a client parses one shape."""
+    kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": exc.status_code}},
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -160,7 +170,7 @@ class OpenAIHttpApi:
             Route("/detokenize", self._endpoint(self._detokenize), methods=["POST"]),
             Route("/health", self._endpoint(self._health, open_route=True), methods=["GET"]),
             Route("/metrics", self._endpoint(self._metrics, open_route=not guard_metrics), methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_error})
 
     def _endpoint(self, handler, *, open_route: bool = False):
         async def endpoint(request: Request) -> Response:

@@ -230,8 +230,10 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             if key not in ("role", "content", "name"):
                 raise InvalidArgumentError(f"messages[{i}].{key}", "is not supported")
         content = _content(i, message.get("content"))
-        check_chat_message(i, message.get("role"), content)
-        out.append({"role": message["role"], "content": content})
+        # OpenAI's "developer" turn is its newer name for the system turn; chat templates know "system".
+        role = "system" if message.get("role") == "developer" else message.get("role")
+        check_chat_message(i, role, content)
+        out.append({"role": role, "content": content})
     return out
 
 

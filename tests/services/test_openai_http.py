@@ -237,6 +237,12 @@ async def test_unknown_model_is_a_404_and_bad_json_a_400(stack):
     with pytest.raises(urllib.error.HTTPError) as caught:
         await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
     assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "body"
+    # Starlette's own refusals come in the same error shape.
+    status, reply = await asyncio.to_thread(http, stack, "GET", "/v1/no-such-route")
+    assert status == 404 and reply["error"]["type"] == "NotFoundError", reply
+    assert "/v1/no-such-route" in reply["error"]["message"]
+    status, reply = await asyncio.to_thread(http, stack, "GET", "/v1/completions")
+    assert status == 405 and reply["error"]["code"] == 405, reply
 
 
 async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):

@@ -76,6 +76,15 @@ def test_chat_without_max_tokens_gets_the_room_its_prompt_leaves():
     assert not given.fill_max_tokens and given.inputs[0].sampling_params.max_tokens == 4
 
 
+def test_a_developer_turn_is_a_system_turn():
+    req = parse_chat({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                      "max_tokens": 2})
+    assert req.inputs[0].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": [{"role": "wizard", "content": "x"}]})
+    assert caught.value.field == "messages[0].role"
+
+
 def test_chat_refuses_what_it_would_otherwise_ignore():
     for body, field in [({"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}, "messages[0].tool_calls"),
                         ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, "tools"),
