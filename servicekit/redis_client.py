@@ -32,6 +32,14 @@ DEFAULT_MASTER_NAME = "pagedserve"
 CONNECT_TIMEOUT_S = 2.0
 SENTINEL_TIMEOUT_S = 1.0
 
+# Connections one service opens to Redis at most, and how long a command waits for one of them when
+# all are busy before it fails (a RedisError: the callers' retry / 503 path). redis-py's own pool
+# refuses at once past 100 (MaxConnectionsError), which turned a burst of a few hundred
+# admissions at one gateway into 503s; waiting turns it into queueing. Both are far from Redis's
+# own limit (maxclients 10,000), so dozens of replicas fit.
+MAX_CONNECTIONS = 128
+POOL_WAIT_S = 30.0
+
 # Options of the URL that name the server rather than how to talk to it (Sentinel names it).
 _LOCATION_OPTIONS = ("host", "port", "path", "connection_class")
 
@@ -91,14 +99,21 @@ def uses_sentinel(settings: RedisSettings) -> bool:
 
 def connect(settings: RedisSettings):
     """A ``redis.asyncio.Redis`` for the service's Redis: the one server of ``redis_url``, or the
-    primary the Sentinels name. Connects lazily (on the first command), so a Redis that is not up
+    primary the Sentinels name; at most ``MAX_CONNECTIONS`` connections, a command waiting up to
+    ``POOL_WAIT_S`` for a free one. Connects lazily (on the first command), so a Redis that is not up
     yet surfaces as a ``RedisError`` the caller retries, never here."""
     import redis.asyncio as aioredis
+    from redis.asyncio.connection import BlockingConnectionPool
 
+    pool_limits = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_WAIT_S}
     if not settings.redis_sentinels:
-        return aioredis.from_url(settings.redis_url)
+        return aioredis.Redis.from_pool(BlockingConnectionPool.from_url(settings.redis_url, **pool_limits))
     from redis.asyncio.connection import SSLConnection, parse_url
-    from redis.asyncio.sentinel import Sentinel
+    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+
+    class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+        """Sentinel's pool (connections go to the primary it names) that waits for a free
+        connection like BlockingConnectionPool instead of refusing."""
 
     options = parse_url(settings.redis_url) if settings.redis_url else {}
     tls = options.get("connection_class") is SSLConnection
@@ -120,7 +135,8 @@ def connect(settings: RedisSettings):
             if owner:
                 await sentinel.aclose()
 
-    return sentinel.master_for(settings.redis_master_name, redis_class=SentinelRedis)
+    return sentinel.master_for(settings.redis_master_name, redis_class=SentinelRedis,
+                               connection_pool_class=BlockingSentinelPool, **pool_limits)
 
 
 # Error replies that mean "these credentials (or this ACL user) are not accepted".

@@ -72,3 +72,20 @@ def test_ipv6_sentinel_addresses_keep_their_colons():
 def test_admissions_wait_for_a_replica_by_default_only_with_sentinels(mode, sentinels, waits_ms):
     settings = GatewaySettings(wait_for_replica=mode, redis_sentinels=sentinels)
     assert settings.admission_replica_wait_ms == waits_ms
+
+
+async def test_more_concurrent_commands_than_connections_wait_for_one_instead_of_failing(redis_server, monkeypatch):
+    """A burst bigger than the pool (a few hundred admissions at one gateway) queues for a
+    connection; redis-py's default pool refused past 100 with MaxConnectionsError (a 503)."""
+    import asyncio
+
+    monkeypatch.setattr(redis_client, "MAX_CONNECTIONS", 8)
+    client = redis_client.connect(GatewaySettings(redis_url=redis_server.url))
+    try:
+        # BLPOP holds its connection for its whole timeout: 40 of them need 5 rounds of 8.
+        replies = await asyncio.gather(*(client.blpop([f"empty:{i}"], timeout=0.1) for i in range(40)))
+        assert replies == [None] * 40
+        assert client.connection_pool.max_connections == 8
+        assert len(client.connection_pool._available_connections) <= 8
+    finally:
+        await client.aclose()
