@@ -54,6 +54,12 @@ def build_server(service: GenerationService, settings: GatewaySettings | None = 
         [GENERATION_SERVICE], interceptors=[BearerAuthInterceptor(keys or KeyStore(), open_services=open_services)],
         reflection_on=settings.reflection, registry=registry,
         options=[("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size),
-                 ("grpc.max_concurrent_streams", settings.max_concurrent_streams)])
+                 ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+                 # Count open HTTP/2 streams, as the client does: it then queues calls past the limit.
+                 # gRPC's default also counts streams the client already closed (a cancelled or
+                 # finished call still unwinding here) and refuses new ones with REFUSED_STREAM, so a
+                 # client at the limit saw refusals (of 1,000 concurrent streams on one connection,
+                 # 139-381 failed after the SDK's retries).
+                 ("grpc.http.overload_protection", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), lifecycle.server)
     return lifecycle

@@ -165,3 +165,33 @@ async def test_a_deadline_passed_in_the_queue_reaches_the_client_as_deadline_exc
             await client.generate("Too late already", max_tokens=4, timeout=30)
     print(f"client got: {info.value.code} {info.value}")
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_more_streams_than_a_connection_may_open_queue_at_the_client_and_all_finish(stack, hf_tokenizer):
+    """A client with more concurrent calls than the gateway's --max-concurrent-streams: gRPC's client
+    holds the extra calls until a stream closes, so every call finishes, none refused, even with
+    calls cancelled mid-stream meanwhile (gRPC's default server counting also refused streams the
+    client had already closed)."""
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         read_block_ms=200, max_concurrent_streams=4), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=120, retries=0) as client:
+            await client.generate("warm", max_tokens=1)  # the connection's settings are known
+
+            async def one(i: int) -> str:
+                async with client.stream(f"prompt {i}", max_tokens=6, temperature=0, ignore_eos=True) as stream:
+                    count = 0
+                    async for chunk in stream:
+                        count += len(chunk.token_ids)
+                        if i % 5 == 0:
+                            return "cancelled"  # leaving the block cancels the call
+                    return "finished" if count == 6 else f"{count} tokens"
+
+            results = await asyncio.gather(*(one(i) for i in range(24)), return_exceptions=True)
+    finally:
+        await gateway.drain(1)
+    assert sorted(map(str, results)) == ["cancelled"] * 5 + ["finished"] * 19, results
