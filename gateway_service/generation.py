@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway_service import convert
 from gateway_service.messages import GenerateChunk, GenerateInput
@@ -162,6 +162,8 @@ class GenerationService:
                     await self._queue.admit(request_id, record, digests, self._fanout.wake_key, owner)
                     if self._metrics is not None:
                         self._metrics.redis_admit.observe(time.perf_counter() - sent)
+            except ResponseError as exc:  # Redis answered, and refused (out of memory, read-only replica)
+                raise UnavailableError(f"Redis refused the admission ({exc}); retry later") from exc
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
             reading = True

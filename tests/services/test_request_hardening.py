@@ -195,3 +195,32 @@ async def test_more_streams_than_a_connection_may_open_queue_at_the_client_and_a
     finally:
         await gateway.drain(1)
     assert sorted(map(str, results)) == ["cancelled"] * 5 + ["finished"] * 19, results
+
+
+async def test_a_redis_out_of_memory_refuses_admission_saying_why(stack, hf_tokenizer):
+    """Redis that answers but refuses writes (maxmemory reached) is UNAVAILABLE with Redis's reason,
+    not 'unreachable'; the same call succeeds once Redis takes writes again."""
+    from pagedserve.errors import UnavailableError
+
+    from .conftest import queue_limited_gateway
+
+    async with queue_limited_gateway(stack, hf_tokenizer, "oom:", max_queued=10) as (gateway, redis, keys):
+        before = (await redis.config_get("maxmemory"))["maxmemory"]
+        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=30, retries=0) as client:
+            await redis.config_set("maxmemory", 1)  # every write is now refused with OOM
+            try:
+                with pytest.raises(UnavailableError) as refused:
+                    async for _ in client.stream("Hello", max_tokens=2):
+                        pass
+            finally:
+                await redis.config_set("maxmemory", before)
+            assert "refused the admission" in refused.value.message and "OOM" in refused.value.message, refused.value
+            # Writes taken again: the same call is admitted (it waits in the queue: no scheduler reads "oom:").
+            stream = client.stream("Hello", max_tokens=2, request_id="oom-after")
+            reader = asyncio.ensure_future(stream.__anext__())
+            deadline = time.monotonic() + 10
+            while not await redis.exists(keys.output("oom-after")):
+                assert time.monotonic() < deadline and not reader.done(), reader
+                await asyncio.sleep(0.05)
+            reader.cancel()
+            await stream.aclose()
