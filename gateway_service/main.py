@@ -15,10 +15,13 @@ from collections.abc import Mapping, Sequence
 from gateway_service.settings import GatewaySettings
 from servicekit import redis_client
 from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
+from servicekit.contract.errors import UnavailableError
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import StartupError, is_loopback, service_main
 
 log = logging.getLogger("pagedserve.gateway")
+
+HAND_OVER_S = 2.0  # past the drain grace: for live calls to end UNAVAILABLE before the server stops
 
 
 class GatewayApp:
@@ -104,13 +107,28 @@ class GatewayApp:
                         "generate and resume requests by id", s.host, s.port)
         return store
 
+    async def _finish_or_hand_over(self, grace_s: float) -> None:
+        """Live calls finish within ``grace_s``; those still live then end UNAVAILABLE without
+        aborting their requests, which run on: an SDK client resumes each on another gateway from
+        the next output index (rather than seeing its call cancelled by the server stopping)."""
+        try:
+            await asyncio.wait_for(self.service.wait_idle(), timeout=grace_s)
+            return
+        except asyncio.TimeoutError:
+            pass
+        log.warning("drain grace of %.1fs passed with %d calls live: ending them UNAVAILABLE (their requests go on; "
+                    "SDK clients resume them on another gateway)", grace_s, self.service.in_flight)
+        self._fanout.fail_all(UnavailableError("the gateway is shutting down; the request goes on: resume it on "
+                                               "another gateway"))
+        await self.service.wait_idle()
+
     async def drain(self, grace_s: float | None = None) -> None:
         """NOT_SERVING and no new Generate calls; live streams finish within the grace period."""
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         if self.service is not None:
             self.service.draining = True
         if self.lifecycle is not None:
-            await self.lifecycle.drain(grace, self.service.wait_idle)
+            await self.lifecycle.drain(grace + HAND_OVER_S, lambda: self._finish_or_hand_over(grace))
         if self._http is not None:  # its streams ended with the drain above; idle keep-alives close now
             await self._http.stop(1.0)
         if self._fanout is not None:

@@ -145,7 +145,7 @@ class OutputFanout:
                     down_since = now
                     log.warning("reading output streams failed: %s; retrying", exc)
                 if now - down_since >= self._outage_s:
-                    self._fail_all(UnavailableError(
+                    self.fail_all(UnavailableError(
                         f"Redis unreachable for {now - down_since:.0f}s ({type(exc).__name__}); resume later"))
                     down_since = now
                 await asyncio.sleep(0.2)
@@ -183,7 +183,8 @@ class OutputFanout:
                 log.warning("%s vanished in the Redis restart", sub.key)
                 sub.queue.put_nowait(UnavailableError("the request was lost in a Redis restart; retry it"))
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Fail every current subscription (their streams end with ``error``)."""
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every current subscription (their streams end with ``error``): Redis away too long,
+        or a drain whose grace passed."""
         for sub in self._all_subs():
             sub.queue.put_nowait(error)

@@ -72,6 +72,29 @@ async def test_draining_gateway_is_not_serving_refuses_new_calls_and_finishes_li
     assert tokens == 120 and rest[-1].finish_reason == "length"
 
 
+async def test_a_drain_past_its_grace_hands_live_streams_to_another_gateway(stack, hf_tokenizer, llm):
+    """Streams still live when the drain grace ends are ended UNAVAILABLE with their requests left
+    running, so the SDK resumes them on the next gateway: every token once, the same as LLM's."""
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+    from servicekit.contract.sampling_params import SamplingParams
+
+    prompt, max_tokens = "Hand me over", 400
+    expected = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         read_block_ms=200), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    async with AsyncClient(f"127.0.0.1:{gateway.port},{stack.gateway_address}", timeout=60) as client:
+        stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        chunks = [await stream.__anext__()]
+        drain = asyncio.create_task(gateway.drain(grace_s=0.2))
+        chunks += [c async for c in stream]
+        await asyncio.wait_for(drain, 30)
+        assert stream._failover.address_index == 1, "the stream ended before the grace did: nothing was handed over"
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert chunks[-1].finish_reason == "length"
+
+
 async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer):
     """A stack prefix with no scheduler: requests wait in Redis; the third one is refused."""
     async with queue_limited_gateway(stack, hf_tokenizer, "qlimit:", 2) as (gateway, redis, keys):

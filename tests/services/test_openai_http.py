@@ -341,3 +341,24 @@ async def test_a_draining_gateway_answers_503_and_finishes_live_http_streams(sta
         chunks += [c async for c in stream]
         await asyncio.wait_for(drain, 30)
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+async def test_a_drain_past_its_grace_answers_live_http_calls_503(stack, hf_tokenizer):
+    """A whole (non-streamed) HTTP call still running when the drain grace ends gets OpenAI's 503
+    error, not the ASGI server's bare 500 when it cancels the call."""
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         read_block_ms=200), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        call = asyncio.create_task(client.completions.create(model=stack.model, prompt="Drain me", max_tokens=400,
+                                                             **GREEDY))
+        while not gateway.service.in_flight:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(gateway.drain(grace_s=0.2), 30)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await call
+    assert caught.value.status_code == 503 and "shutting down" in caught.value.message, caught.value
