@@ -90,9 +90,19 @@ def _sse(obj: dict | str) -> bytes:
 
 
 async def _json(request: Request) -> object:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    """The request's JSON body, read no further than ``MAX_BODY_BYTES``: a bigger body is refused
+    by its Content-Length, or once that many bytes arrived, never held whole."""
+    too_big = InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        parts.append(part)
+    body = b"".join(parts)
     try:
         return json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8

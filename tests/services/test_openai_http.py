@@ -362,3 +362,39 @@ async def test_a_drain_past_its_grace_answers_live_http_calls_503(stack, hf_toke
         with pytest.raises(openai.APIStatusError) as caught:
             await call
     assert caught.value.status_code == 503 and "shutting down" in caught.value.message, caught.value
+
+
+async def test_a_body_past_the_limit_is_refused_by_its_size(stack, monkeypatch):
+    """A body over MAX_BODY_BYTES is a 400 naming ``body`` whether it declares its length or comes
+    chunked: then it is refused once that many bytes arrived, without waiting for (or holding) the
+    rest, which here never comes."""
+    from http.client import HTTPConnection
+    from urllib.parse import urlsplit
+
+    from gateway_service import http_api
+
+    monkeypatch.setattr(http_api, "MAX_BODY_BYTES", 1000)
+    status, reply = await asyncio.to_thread(http, stack, "POST", "/v1/completions", {"prompt": "x" * 5000})
+    assert status == 400 and reply["error"]["param"] == "body", reply
+
+    def chunked() -> tuple[int, dict]:
+        url = urlsplit(stack.http_url)
+        conn = HTTPConnection(url.hostname, url.port, timeout=30)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Transfer-Encoding", "chunked")
+        conn.endheaders()
+        for piece in [b'{"prompt": "'] + [b"x" * 500] * 8:
+            conn.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        reply = conn.getresponse()  # before the body's end: the gateway did not wait for all of it
+        try:
+            return reply.status, json.loads(reply.read())
+        finally:
+            conn.close()
+
+    status, reply = await asyncio.to_thread(chunked)
+    assert status == 400 and reply["error"]["param"] == "body", reply
+    monkeypatch.undo()
+    status, reply = await asyncio.to_thread(http, stack, "POST", "/v1/completions",
+                                            {"model": stack.model, "prompt": "x" * 1600, "max_tokens": 1})
+    assert status == 200, reply
