@@ -90,17 +90,13 @@ def _sse(obj: dict | str) -> bytes:
 
 
 async def _json(request: Request) -> object:
-    """The request's JSON body, read no further than ``MAX_BODY_BYTES``: a bigger body is refused
-    by its Content-Length, or once that many bytes arrived, never held whole."""
-    too_big = InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_big
+    """The request's JSON body, read no further than ``MAX_BODY_BYTES`` (a declared length was
+    checked by :func:`check_request`; a chunked body is refused once that many bytes arrived)."""
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > MAX_BODY_BYTES:
-            raise too_big
+            raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
         parts.append(part)
     body = b"".join(parts)
     try:
