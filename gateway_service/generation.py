@@ -116,7 +116,7 @@ class GenerationService:
                 raise InvalidArgumentError("prompt", "must not be empty")
             ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt")
         check_prompt(ids, inp.sampling_params.max_tokens, max_model_len=limits.max_model_len,
-                     vocab_size=limits.vocab_size, field=field)
+                     vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias)
         return ids
 
     # -- Generate -------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Every key of a body is either mapped onto :class:`~gateway_service.messages.GenerateInput` /
 :class:`~servicekit.contract.sampling_params.SamplingParams` or refused with an
 :class:`InvalidArgumentError` naming it: a parameter we would otherwise ignore (``tools``,
-``logit_bias``, ``suffix``) changes what the caller expects back, so it is a 400, never silently
+``suffix``) changes what the caller expects back, so it is a 400, never silently
 dropped. ``null`` means "not given", as in OpenAI's API. Range checks stay where they live
 (``SamplingParams.__post_init__``, the gateway's prompt checks): this module only checks types and
 shapes, and renames (``max_completion_tokens`` → ``max_tokens``, ``skip_special_tokens`` →
@@ -33,14 +33,14 @@ _INERT = {
 }
 # Keys accepted only with the value that means "off", with that value.
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (False,), "response_format": ({"type": "text"},),
     "best_of": (1,), "prompt_logprobs": (0,), "guided_json": (), "structured_outputs": (),
 }
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
-_COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user",
+_COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user", "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
@@ -134,6 +134,18 @@ def _int_list(body: dict, key: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _logit_bias(body: dict) -> dict[int, Any]:
+    """OpenAI's ``{"token id": bias}`` (JSON keys are strings) as ``{id: bias}``; ranges are checked
+    by SamplingParams, ids against the vocabulary by the gateway."""
+    value = _get(body, "logit_bias", dict, {})
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX):
+            raise InvalidArgumentError("logit_bias", f"keys must be token ids (integers >= 0 as strings), got {key!r}")
+        out[int(key)] = bias
+    return out
+
+
 def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
     number = (int, float)
     kwargs = {key: _get(body, key, number) for key in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -144,7 +156,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     if kwargs.get("top_k") == 0:  # vLLM and HF treat 0 as "off", like -1
         kwargs["top_k"] = -1
     return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
-                          logprobs=logprobs, **kwargs)
+                          logprobs=logprobs, logit_bias=_logit_bias(body), **kwargs)
 
 
 def _common(body: dict) -> dict[str, Any]:

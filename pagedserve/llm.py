@@ -241,7 +241,8 @@ class LLM:
                 raise ValueError(f"sampling_params: {len(params_list)} given for {len(token_lists)} prompts")
         info = self.runner.info
         for ids, params in zip(token_lists, params_list):  # every prompt is checked before any runs
-            check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+            check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                         logit_bias=params.logit_bias)
         pending: dict[str, _Pending] = {}
         order: list[str] = []
         try:

@@ -28,7 +28,7 @@ def _add_chat(chat, messages) -> None:
         chat.messages.add(role=m["role"], content=m["content"])
 
 
-_SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids"}
+_SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids", "logit_bias"}
 
 
 def build_generate_request(prompt=None, *, messages=None, sampling_params: SamplingParams | None = None,
@@ -60,6 +60,12 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
             field = getattr(sp, name)
             del field[:]
             field.extend([value] if isinstance(value, str) else value)
+        elif name == "logit_bias":  # {token_id: bias} or (id, bias) pairs
+            sp.logit_bias.clear()
+            try:
+                sp.logit_bias.update(dict(value))
+            except (TypeError, ValueError) as exc:  # an id the wire cannot carry (negative, not an int)
+                raise InvalidArgumentError("logit_bias", f"must map token ids (>= 0) to biases: {exc}") from None
         else:
             setattr(sp, name, value)
     return msg

@@ -10,8 +10,8 @@ Invariants:
   are appended by the runner; the scheduler may still drop them by finishing the request).
 - ``block_table[row, :num_blocks[row]]`` is the request's block table; it only grows while the
   request runs (the scheduler's tables are append-only).
-- Per-request sampling state that is not one number (the ids banned before ``min_tokens``) is built
-  once, when the row is given, and only read by later steps.
+- Per-request sampling state that is not one number (the ids banned before ``min_tokens``, the
+  logit bias) is built once, when the row is given, and only read by later steps.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class InputBatch:
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs  # by row
         # by row: ids banned while outputs < min_tokens (empty when min_tokens is 0), built in add()
         self.min_tokens_banned: list[np.ndarray] = [_NO_IDS] * max_num_reqs
+        # by row: (token ids int64, biases fp32) of its logit_bias inside the vocabulary, or None
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_reqs
+        self.num_biased = 0  # rows with a logit_bias: a step looks for them only when some exist
         self._free_rows = list(range(max_num_reqs))  # a heap: lowest free row first
 
     def __len__(self) -> int:
@@ -110,6 +113,11 @@ class InputBatch:
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.min_tokens_banned[row] = (min_tokens_banned_ids(p, self.eos_token_ids, self.vocab_size)
                                        if p.min_tokens else _NO_IDS)
+        pairs = [(t, bias) for t, bias in p.logit_bias if t < self.vocab_size]
+        if pairs:
+            self.logit_bias[row] = (np.array([t for t, _ in pairs], dtype=np.int64),
+                                    np.array([bias for _, bias in pairs], dtype=np.float32))
+            self.num_biased += 1
         return row
 
     def update(self, cached: CachedRequestData) -> None:
@@ -128,6 +136,9 @@ class InputBatch:
         if row is not None:
             self.sampling_params[row] = None
             self.min_tokens_banned[row] = _NO_IDS
+            if self.logit_bias[row] is not None:
+                self.logit_bias[row] = None
+                self.num_biased -= 1
             heapq.heappush(self._free_rows, row)
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

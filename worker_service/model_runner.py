@@ -229,6 +229,13 @@ class ModelRunner:
             if any(counts):
                 meta.banned_tokens = (_to(np.repeat(short.astype(np.int64), counts), dev),
                                       _to(np.concatenate(banned), dev))
+        if b.num_biased:
+            biased = [(i, b.logit_bias[row]) for i, row in enumerate(rows.tolist()) if b.logit_bias[row] is not None]
+            if biased:
+                counts = [len(ids) for _, (ids, _) in biased]
+                meta.logit_bias = (_to(np.repeat(np.array([i for i, _ in biased], dtype=np.int64), counts), dev),
+                                   _to(np.concatenate([ids for _, (ids, _) in biased]), dev),
+                                   _to(np.concatenate([bias for _, (_, bias) in biased]), dev))
         num_logprobs = b.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             meta.max_num_logprobs = int(num_logprobs.max())

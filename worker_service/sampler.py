@@ -7,9 +7,9 @@ counter-based hash (splitmix64 of seed, position and token id) computed with tor
 the whole vocabulary at once. No generator state is carried between steps, so a request samples the
 same tokens alone, inside any batch, and after a replay on another worker.
 
-Order of processing (Hugging Face's): penalties on the raw logits, then temperature, then top-k,
-top-p (on the top-k renormalised distribution), then min-p. Greedy rows (``temperature == 0``) take
-an exact ``argmax`` of the penalised logits. Logprobs are those of the raw model distribution
+Order of processing (Hugging Face's): the request's logit bias (OpenAI's), then penalties on the
+raw logits, then temperature, then top-k, top-p (on the top-k renormalised distribution), then
+min-p. Greedy rows (``temperature == 0``) take an exact ``argmax`` of the biased, penalised logits. Logprobs are those of the raw model distribution
 (``log_softmax`` of the logits before any processing), as vLLM reports them.
 """
 
@@ -68,6 +68,7 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None = None  # [N, Lp] int64, padded with vocab_size
     output_token_ids: torch.Tensor | None = None  # [N, Lo] int64, padded with vocab_size
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): -inf (min_tokens)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, fp32 biases)
     max_num_logprobs: int | None = None  # top-n logprobs to return for every row; None = none
 
     @property
@@ -93,6 +94,9 @@ class Sampler:
             n = meta.max_num_logprobs
             if n > 0:
                 out.top_logprobs, out.top_token_ids = raw.topk(n, dim=-1)
+        if meta.logit_bias is not None:  # added to the raw logits (a new tensor: the model's stays)
+            rows, ids, biases = meta.logit_bias
+            logits = logits.index_put((rows, ids), biases.to(logits.dtype), accumulate=True)
         logits = apply_penalties(logits, meta)
         if meta.banned_tokens is not None:
             logits = logits.index_put(meta.banned_tokens, logits.new_tensor(float("-inf")))

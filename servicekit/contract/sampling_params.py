@@ -16,6 +16,8 @@ MAX_STOP_STRING_LEN = 256
 # lists hold a few ids (a chat template's end tokens); 128 leaves room for unusual vocabularies.
 MAX_STOP_TOKEN_IDS = 128
 SEED_RANGE = 2**63
+MAX_LOGIT_BIAS_IDS = 300  # OpenAI's own bound
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +42,14 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]; over output tokens (OpenAI semantics)
     frequency_penalty: float = 0.0  # in [-2, 2]; over output tokens
     logprobs: int | None = None  # top-n logprobs per sampled token (0..MAX_LOGPROBS), None = off
+    # (token id, bias) pairs added to the logits before sampling, ascending by id (a dict is taken too)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
@@ -107,6 +112,25 @@ class SamplingParams:
         if values:
             raise TypeError(f"unknown sampling parameters: {', '.join(sorted(values))}")
         return params
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``{token_id: bias}`` or (id, bias) pairs as validated pairs in ascending id order."""
+    try:
+        pairs = list(value.items() if isinstance(value, dict) else value)
+    except TypeError:
+        raise InvalidArgumentError("logit_bias", "must map token ids to biases") from None
+    if len(pairs) > MAX_LOGIT_BIAS_IDS:
+        raise InvalidArgumentError("logit_bias", f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(pairs)}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise InvalidArgumentError("logit_bias", "must map token ids to biases")
+        token_id, bias = pair
+        _check_int("logit_bias", token_id, minimum=0)
+        _check_float("logit_bias", bias, lo=-LOGIT_BIAS_RANGE, hi=LOGIT_BIAS_RANGE)
+        out[token_id] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -29,7 +29,8 @@ def sampling_params_from_pb(msg: sampling_pb2.SamplingParams, *, trusted: bool =
     validated where it entered and is taken as it is (``trusted=True``)."""
     kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
     make = SamplingParams.trusted if trusted else SamplingParams
-    return make(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+    return make(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                logit_bias=tuple(sorted(msg.logit_bias.items())), **kwargs)
 
 
 def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None
@@ -41,6 +42,7 @@ def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingPara
             setattr(msg, name, value)
     msg.stop.extend(params.stop)
     msg.stop_token_ids.extend(params.stop_token_ids)
+    msg.logit_bias.update(params.logit_bias)
     return msg
 
 

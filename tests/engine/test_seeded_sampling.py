@@ -18,12 +18,13 @@ OTHERS = [
     SamplingParams(max_tokens=30, temperature=1.0, top_k=5, logprobs=3),
     SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.5),
     SamplingParams(max_tokens=28, temperature=1.0, top_p=0.5, seed=1234),
+    SamplingParams(max_tokens=22, temperature=0.8, seed=10, logit_bias={5: 5.0, 17: -100.0}),
 ]
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts([23, 3, 50, 9, 31, 70, 12, 5, 44], seed=11)
+    return random_prompts([23, 3, 50, 9, 31, 70, 12, 5, 44, 17], seed=11)
 
 
 def seeded_tokens(llm: LLM, prompts, together: bool) -> list[int]:
@@ -63,3 +64,19 @@ def test_unseeded_requests_follow_the_engine_seed(tiny_llama, prompts):
     first = run(5)
     assert run(5) == first
     assert run(6) != first
+
+
+def test_logit_bias_bans_and_forces_tokens_and_stays_batch_invariant(tiny_llama, prompts):
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = llm.generate([prompts[1]], greedy)[0].token_ids
+    banned = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                            logit_bias={t: -100.0 for t in set(plain)})
+    assert not set(llm.generate([prompts[1]], banned)[0].token_ids) & set(plain)
+    forced = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True, logit_bias={42: 100.0})
+    assert llm.generate([prompts[1]], forced)[0].token_ids == [42] * 12
+    biased = OTHERS[-1]
+    alone = llm.generate([prompts[2]], biased)[0].token_ids
+    assert 17 not in alone and len(set(alone)) > 5
+    together = llm.generate(prompts[2:] + prompts[:2], [biased, SEEDED, *OTHERS[:-1]])
+    assert together[0].token_ids == alone

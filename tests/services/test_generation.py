@@ -162,3 +162,21 @@ async def test_a_request_id_in_use_is_refused_and_an_unknown_one_cannot_be_resum
             await client.generate("twice", max_tokens=2, request_id="dup-test-1")
         with pytest.raises(NotFoundError):
             await client.generate("who?", max_tokens=2, request_id="never-seen", resume_from_index=0)
+
+
+async def test_logit_bias_through_the_sdk(stack, llm):
+    from pagedserve.errors import InvalidArgumentError
+
+    params = SamplingParams(max_tokens=5, temperature=0.7, seed=2, ignore_eos=True, logit_bias={42: 100.0, 7: -3.5})
+    expected = llm.generate(["Bias me"], params)[0]
+    assert expected.token_ids == [42] * 5
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        got = await client.generate("Bias me", max_tokens=5, temperature=0.7, seed=2, ignore_eos=True,
+                                    logit_bias={42: 100.0, 7: -3.5})
+        assert list(got.token_ids) == expected.token_ids
+        with pytest.raises(InvalidArgumentError) as caught:
+            await client.generate("Bias me", max_tokens=2, logit_bias={-1: 5})
+        assert caught.value.field == "logit_bias"
+        with pytest.raises(InvalidArgumentError) as caught:
+            await client.generate("Bias me", max_tokens=2, logit_bias={1: 1000})
+        assert caught.value.field == "logit_bias"

@@ -186,7 +186,8 @@ BAD_INPUTS = [
     (dict(max_tokens=100_000), "max_tokens"),
     (dict(presence_penalty=3), "presence_penalty"),
     (dict(logprobs=21), "logprobs"),
-    (dict(logit_bias={"42": 5}), "logit_bias"),
+    (dict(logit_bias={"42": 500}), "logit_bias"),
+    (dict(logit_bias={"99999999": 1}), "logit_bias"),  # outside the vocabulary
     (dict(suffix="tail"), "suffix"),
     (dict(best_of=3), "best_of"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
@@ -398,3 +399,22 @@ async def test_a_body_past_the_limit_is_refused_by_its_size(stack, monkeypatch):
     status, reply = await asyncio.to_thread(http, stack, "POST", "/v1/completions",
                                             {"model": stack.model, "prompt": "x" * 1600, "max_tokens": 1})
     assert status == 200, reply
+
+
+async def test_logit_bias_bans_and_forces_tokens(stack, llm):
+    """OpenAI's logit_bias through HTTP, the gateway, Redis and the worker's sampler: -100 keeps
+    the greedy tokens away, +100 on one id makes every token that id."""
+    expected = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    async with async_client(stack) as client:
+        banned = await client.completions.create(
+            model=stack.model, prompt=[5, 6, 7], max_tokens=6, temperature=0,
+            logit_bias={str(t): -100 for t in set(expected.token_ids)}, extra_body={"ignore_eos": True})
+        forced = await client.completions.create(
+            model=stack.model, prompt=[5, 6, 7], max_tokens=6, temperature=1.0, seed=3,
+            logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    reference = llm.generate([[5, 6, 7]] * 2, [
+        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={t: -100 for t in expected.token_ids}),
+        SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True, logit_bias={42: 100})])
+    assert banned.choices[0].text == reference[0].text != expected.text
+    assert not set(reference[0].token_ids) & set(expected.token_ids)
+    assert reference[1].token_ids == [42] * 6 and forced.choices[0].text == reference[1].text

@@ -30,7 +30,9 @@ def test_openai_and_vllm_parameters_map_onto_sampling_params():
     assert (p.presence_penalty, p.frequency_penalty, p.top_k, p.min_p) == (0.1, 0.2, 5, 0.1)
     assert (p.repetition_penalty, p.min_tokens, p.ignore_eos, p.stop_token_ids) == (1.1, 2, True, (7,))
     assert (inp.prompt, inp.model, inp.priority, inp.cache_salt, inp.request_id) == ("Hi", "m", 4, "s", "r1")
-    assert inp.include_special_tokens and req.include_stop_str and req.logprobs
+    assert inp.include_special_tokens and req.include_stop_str and req.logprobs and p.logit_bias == ()
+    biased = parse_completion({"prompt": "a", "logit_bias": {"7": -100, "3": 2.5}}).inputs[0].sampling_params
+    assert biased.logit_bias == ((3, 2.5), (7, -100.0))
 
 
 def test_n_samples_get_successive_seeds_and_ids_and_prompts_fan_out():
@@ -45,7 +47,10 @@ def test_n_samples_get_successive_seeds_and_ids_and_prompts_fan_out():
 
 @pytest.mark.parametrize(("body", "field"), [
     ({"prompt": "a", "bogus": 1}, "bogus"),
-    ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 2}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"-1": 2}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": 101}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": [1, 2]}, "logit_bias"),
     ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": "a", "max_tokens": True}, "max_tokens"),
     ({"prompt": "a", "top_k": 2**40}, "top_k"),

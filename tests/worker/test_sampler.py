@@ -178,6 +178,18 @@ def test_banned_tokens_are_never_sampled():
     assert 1 not in tokens.tolist()
 
 
+def test_logit_bias_is_added_to_its_rows_only_and_logprobs_stay_raw():
+    logits = torch.tensor([[0.0, 10.0, 9.0], [0.0, 10.0, 9.0]])
+    bias = (torch.tensor([0, 0]), torch.tensor([1, 0]), torch.tensor([-100.0, 2.0]))
+    meta = meta_for(2, temperature=0.0, logit_bias=bias, max_num_logprobs=1)
+    out = Sampler()(logits, meta)
+    assert out.token_ids.tolist() == [2, 1]  # row 0: token 1 pushed below token 2; row 1 untouched
+    assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1)[[0, 1], [2, 1]])
+    assert logits[0, 1] == 10.0  # the caller's logits are not changed in place
+    forced = meta_for(300, temperature=1.0, logit_bias=(torch.arange(300), torch.full((300,), 0), torch.full((300,), 100.0)))
+    assert set(Sampler()(logits[:1].expand(300, -1).clone(), forced).token_ids.tolist()) == {0}
+
+
 def test_logprobs_are_raw_log_softmax_with_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
     meta = meta_for(2, temperature=0.0, max_num_logprobs=2, repetition_penalty=torch.tensor([1.0, 100.0]),
