@@ -9,8 +9,9 @@ same tokens alone, inside any batch, and after a replay on another worker.
 
 Order of processing (Hugging Face's): the request's logit bias (OpenAI's), then penalties on the
 raw logits, then temperature, then top-k, top-p (on the top-k renormalised distribution), then
-min-p. Greedy rows (``temperature == 0``) take an exact ``argmax`` of the biased, penalised logits. Logprobs are those of the raw model distribution
-(``log_softmax`` of the logits before any processing), as vLLM reports them.
+min-p. Greedy rows (``temperature == 0``) take an exact ``argmax`` of the biased, penalised
+logits. Logprobs are those of the raw model distribution (``log_softmax`` of the logits before any
+processing), as vLLM reports them.
 """
 
 from __future__ import annotations
