@@ -84,18 +84,21 @@ class GenerationService:
         return limits
 
     async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelInfo,
-                       *, text_field: str = "text") -> list[int]:
-        """The token ids of ``text`` or ``messages`` (through the chat template), computed in a
-        thread. Text the model could not take whole is refused by its size first: a token covers
-        at most ``prompt_bytes_per_token`` bytes, so more than ``max_model_len`` times that many
-        bytes is more than ``max_model_len`` tokens."""
+                       *, text_field: str = "text", add_special_tokens: bool = True,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of ``text`` (with the model's special tokens unless ``add_special_tokens``
+        is off) or ``messages`` (through the chat template, with its generation prompt unless
+        ``add_generation_prompt`` is off), computed in a thread. Text the model could not take whole
+        is refused by its size first: a token covers at most ``prompt_bytes_per_token`` bytes, so
+        more than ``max_model_len`` times that many bytes is more than ``max_model_len`` tokens."""
         if messages is not None:
             self._check_size(sum(len(m["role"].encode()) + len(m["content"].encode()) for m in messages),
                              limits, "chat")
-            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages,
+                                           add_generation_prompt=add_generation_prompt)
         text = text or ""
         self._check_size(len(text.encode()), limits, text_field)
-        return await asyncio.to_thread(self.tokenizer.encode_text, text)
+        return await asyncio.to_thread(self.tokenizer.encode_text, text, add_special_tokens=add_special_tokens)
 
     def _check_size(self, num_bytes: int, limits: ModelInfo, field: str) -> None:
         max_bytes = limits.max_model_len * self._prompt_bytes_per_token

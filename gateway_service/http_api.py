@@ -284,9 +284,10 @@ class OpenAIHttpApi:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: Request) -> Response:
-        model, text, messages, _special = parse_tokenize(await _json(request))
+        model, text, messages, add_special, add_generation_prompt = parse_tokenize(await _json(request))
         limits = await self._served(model)
-        ids = await self._service.tokenize(text, messages, limits, text_field="prompt")
+        ids = await self._service.tokenize(text, messages, limits, text_field="prompt", add_special_tokens=add_special,
+                                           add_generation_prompt=add_generation_prompt)
         return JSONResponse({"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids})
 
     async def _detokenize(self, request: Request) -> Response:

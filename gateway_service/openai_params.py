@@ -277,21 +277,21 @@ def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_l
     return replace(inp, messages=None, prompt_token_ids=prompt_token_ids, sampling_params=params)
 
 
-def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, bool]:
+def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, bool, bool]:
     """``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (vLLM's shape), plus
-    ``model`` and ``add_special_tokens`` (only true: our tokenizer adds what the model expects)."""
+    ``model``, ``add_special_tokens`` (prompt; default true) and ``add_generation_prompt``
+    (messages; default true). Returns (model, prompt, messages, add_special_tokens,
+    add_generation_prompt)."""
     body = check_keys(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
                                        "add_generation_prompt"}))
     model = _get(body, "model", str, "")
-    if _get(body, "add_special_tokens", bool, True) is not True:
-        raise InvalidArgumentError("add_special_tokens", "only true is supported")
-    if _get(body, "add_generation_prompt", bool, True) is not True:
-        raise InvalidArgumentError("add_generation_prompt", "only true is supported")
+    add_special = _get(body, "add_special_tokens", bool, True)
+    add_generation_prompt = _get(body, "add_generation_prompt", bool, True)
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise InvalidArgumentError("prompt", "exactly one of prompt and messages is required")
     if body.get("messages") is not None:
-        return model, None, parse_messages(body["messages"]), True
-    return model, _get(body, "prompt", str), None, True
+        return model, None, parse_messages(body["messages"]), add_special, add_generation_prompt
+    return model, _get(body, "prompt", str), None, add_special, add_generation_prompt
 
 
 def parse_detokenize(body: Any) -> tuple[str, list[int]]:

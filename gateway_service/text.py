@@ -37,9 +37,9 @@ class PromptTokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
 
-    def encode_text(self, text: str) -> list[int]:
-        """Plain text, special tokens added as the model does."""
-        return list(self.hf.encode(text))
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Plain text, special tokens added as the model does (unless ``add_special_tokens`` is off)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_text(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
                   chat_template: str | None = None) -> str:

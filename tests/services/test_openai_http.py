@@ -259,6 +259,16 @@ async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
     status, chat = await asyncio.to_thread(http, stack, "POST", "/tokenize",
                                            {"messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200 and chat["count"] > 2
+    messages = [{"role": "user", "content": "Hi"}]
+    status, bare = await asyncio.to_thread(http, stack, "POST", "/tokenize",
+                                           {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and bare["tokens"] == hf_tokenizer.encode(
+        hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False),
+        add_special_tokens=False)
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and chat["count"] > bare["count"]
+    status, plain = await asyncio.to_thread(http, stack, "POST", "/tokenize",
+                                            {"prompt": "Hello world", "add_special_tokens": False})
+    assert status == 200 and plain["tokens"] == hf_tokenizer("Hello world", add_special_tokens=False)["input_ids"]
 
 
 async def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(stack):
