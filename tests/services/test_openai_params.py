@@ -71,6 +71,13 @@ def test_bad_completion_bodies_name_their_field(body, field):
     assert caught.value.field == field
 
 
+def test_token_ids_out_of_range_are_named_as_such():
+    for prompt in ([-1], [[1], [-5]], [2**40]):
+        with pytest.raises(InvalidArgumentError, match="token ids must be integers in") as caught:
+            parse_completion({"prompt": prompt})
+        assert caught.value.field == "prompt"
+
+
 def test_chat_without_max_tokens_gets_the_room_its_prompt_leaves():
     req = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "min_tokens": 3})
     assert req.fill_max_tokens and req.inputs[0].messages == [{"role": "user", "content": "Hi"}]
