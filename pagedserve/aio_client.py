@@ -8,8 +8,8 @@
 
 Sampling arguments are SamplingParams' field names (``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``) or a whole
-``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types.
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``,
+``logit_bias={token_id: bias}``) or a whole ``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types.
 
 API keys: ``AsyncClient(address, api_key="...")`` (default: the ``PAGEDSERVE_API_KEY`` environment
 variable) sends ``authorization: Bearer <key>`` on every call; a request belongs to the key that
