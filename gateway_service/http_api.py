@@ -41,7 +41,7 @@ from gateway_service.openai_params import (
     parse_detokenize,
     parse_tokenize,
 )
-from gateway_service.openai_responses import ChoiceState, Responder, TokenText, error_body
+from gateway_service.openai_responses import ChoiceState, Responder, TokenText, error_body, error_json
 from servicekit.auth import KeyStore
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.errors import CancelledError as ClientGone
@@ -81,8 +81,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     shape, like every other error here, so a client parses one shape."""
     kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
     message = f"{request.method} {request.url.path}: {exc.detail}"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": exc.status_code}},
-                        status_code=exc.status_code, headers=exc.headers)
+    return JSONResponse(error_json(exc.status_code, kind, message), status_code=exc.status_code, headers=exc.headers)
 
 
 def _sse(obj: dict | str) -> bytes:

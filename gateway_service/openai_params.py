@@ -121,15 +121,14 @@ def _stop(body: dict) -> tuple[str, ...]:
     raise InvalidArgumentError("stop", "must be a string or a list of strings")
 
 
+def _ints(value: Any) -> bool:
+    """Whether ``value`` is a list of integers (bools are not), token ids or not."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _token_ids(value: Any) -> bool:
     """Whether ``value`` is a list of token ids (non-negative integers that fit a record)."""
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in value)
-
-
-def _ints(value: Any) -> bool:
-    """Whether ``value`` is a non-empty list of integers (token ids or not)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return _ints(value) and all(0 <= t <= INT32_MAX for t in value)
 
 
 def _int_list(body: dict, key: str) -> tuple[int, ...]:
@@ -207,7 +206,7 @@ def parse_completion(body: Any) -> OpenAIRequest:
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p) for p in prompt):
         prompts = list(prompt)
-    elif _ints(prompt) or (isinstance(prompt, list) and prompt and all(_ints(p) for p in prompt)):
+    elif isinstance(prompt, list) and prompt and (_ints(prompt) or all(p and _ints(p) for p in prompt)):
         raise InvalidArgumentError("prompt", f"token ids must be integers in [0, {INT32_MAX}]")
     else:
         raise InvalidArgumentError("prompt", "must be a string, a list of strings, a list of token ids or a "

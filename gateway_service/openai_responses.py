@@ -34,11 +34,15 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
 }
 
 
+def error_json(status: int, kind: str, message: str, param: str | None = None) -> dict:
+    """OpenAI's error shape ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_body(exc: PagedServeError) -> tuple[int, dict]:
-    """(HTTP status, ``{"error": {message, type, param, code}}``) of a typed error."""
+    """(HTTP status, OpenAI's error shape) of a typed error."""
     status, kind = HTTP_STATUS.get(exc.code, (500, "InternalServerError"))
-    return status, {"error": {"message": str(exc), "type": kind, "param": getattr(exc, "field", None) or None,
-                              "code": status}}
+    return status, error_json(status, kind, str(exc), getattr(exc, "field", None) or None)
 
 
 def usage_json(usage: Usage) -> dict:

@@ -76,26 +76,26 @@ end
 return {r[1], entries, counts}
 """
 
+ENTRY_BATCH = 500  # entry ids per script call (Lua's unpack has a stack limit)
+
 # KEYS[1]: requests stream, KEYS[2..]: output streams. ARGV: group, TTL seconds, n, then n finished
 # entry ids, then one record per output stream (ARGV[3 + n + i] for KEYS[i + 1]).
 # A step's outputs in one command: each record appended to its stream and the stream's TTL renewed,
 # then the finished requests' entries acknowledged and deleted. A script runs whole or not at all
 # (as MULTI/EXEC did), and packing one command costs a fraction of a pipeline of 2 per record.
-_PUBLISH_LUA = """
+_PUBLISH_LUA = f"""
 local n = tonumber(ARGV[3])
 for i = 2, #KEYS do
   redis.call('XADD', KEYS[i], '*', 'data', ARGV[2 + n + i])
   redis.call('EXPIRE', KEYS[i], ARGV[2])
 end
-for first = 4, 3 + n, 500 do  -- 500 ids a call: Lua's unpack has a stack limit
-  local last = math.min(first + 499, 3 + n)
+for first = 4, 3 + n, {ENTRY_BATCH} do
+  local last = math.min(first + {ENTRY_BATCH - 1}, 3 + n)
   redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
   redis.call('XDEL', KEYS[1], unpack(ARGV, first, last))
 end
 return #KEYS - 1
 """
-
-ENTRY_BATCH = 500  # entry ids per script call (Lua's unpack has a stack limit)
 
 
 @dataclass(frozen=True, slots=True)
