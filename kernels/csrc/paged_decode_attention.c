@@ -17,7 +17,8 @@
  * the accumulators are fp32, and only the output row is rounded to bf16 (to nearest even), once.
  *
  * Two loops: plain C (item_scalar: any head size, any CPU) and, when the compiler targets AVX-512,
- * an intrinsics loop for head sizes 64 and 128 (item_avx512: 16 cached tokens per step, vector exp).
+ * an intrinsics loop for head sizes 64 and 128 (item_avx512: chunks of 128 cached tokens scored 16
+ * at a time, softmax by a vector exp, the next block prefetched).
  * Each (head size, dtype) gets its own OpenMP loop, so the head size is a compile-time constant
  * inside it.
  */
@@ -141,15 +142,23 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, int6
     return _mm512_loadu_ps((const float *)row + i);
 }
 
-/* The sums of eight vectors' lanes, as the eight lanes of one. */
-static inline __attribute__((always_inline)) __m256 sum8(const __m512 *v) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]), _mm512_extractf32x8_ps(v[i], 1));
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+/* The sums of sixteen vectors' lanes, as the sixteen lanes of one (lane i: the sum of v[i]).
+ * Four rounds of pairing halves (512 -> 256 -> 128 -> 64 -> 32 bits): 45 one-uop shuffles and adds
+ * in all. The last round leaves the sum of input 4m + j in lane 4j + m, so the inputs are read in
+ * that transposed order and the result comes out in order. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; k++) {  /* lane halves i, i+8 of an input pair */
+        const __m512 a = v[4 * ((2 * k) % 4) + (2 * k) / 4], b = v[4 * ((2 * k + 1) % 4) + (2 * k + 1) / 4];
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int k = 0; k < 4; k++)
+        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++)
+        y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
 }
 
 #define TILE 16  /* cached tokens per tile: one score per lane */
@@ -176,19 +185,77 @@ static inline __attribute__((always_inline)) __m512 dot16(const float *qf, const
     return d;
 }
 
-/* item_scalar's contract, vectorised (head_dim % 16 == 0). Tiles of up to 16 cached tokens, one per
- * lane of the score vector: a query head's 16 scores are 16 dot products (dot16) reduced together
- * (sum8); the online softmax runs on that vector (exp16); the accumulator row stays in registers
- * while the tile's V rows go in, read straight from the cache in fp32 or widened once into L1
- * scratch in bf16 (shared by the group's query heads). No software prefetch: on a 2-core EPYC it
- * measured no faster; the cache is far larger than L3, so a decode step is bound by reading its
- * scattered blocks (benchmarks/cpu_kernels.py compares the two). */
+/* Where the tile starting at token `start` of the item's sequence lies in the cache (an element
+ * offset: block, head, token in block), and how many tokens it has: at most TILE, at most `end - start`,
+ * never past its block's end. */
+static inline __attribute__((always_inline)) int tile_at(const struct args *a, const int32_t *table, int64_t head,
+                                                         int start, int end, int64_t *offset) {
+    const int in_block = start % a->block_size;
+    int n = end - start < TILE ? end - start : TILE;
+    if (n > a->block_size - in_block) n = a->block_size - in_block;
+    *offset = (int64_t)table[start / a->block_size] * a->c_stride_block + head + in_block * a->c_stride_tok;
+    return n;
+}
+
+/* Start reading the K and V rows of the block after the one that ends at token `end` (if the
+ * sequence goes on): its loads then overlap this block's arithmetic instead of stalling it. Into L2
+ * (T1): the same prefetches into L1 (T0) measured 30 % slower, 64 lines a block at once being more
+ * than L1's miss buffers hold. */
+static inline __attribute__((always_inline)) void prefetch_next_block(const struct args *a, const int32_t *table,
+                                                                      int64_t head, int end, int len,
+                                                                      const int HD, const int64_t elem) {
+    if (end >= len || end % a->block_size) return;
+    const int n = len - end < a->block_size ? len - end : a->block_size;
+    const int64_t base = ((int64_t)table[end / a->block_size] * a->c_stride_block + head) * elem;
+    const int64_t row = a->c_stride_tok * elem;
+    for (int t = 0; t < n; t++)
+        for (int64_t c = 0; c < HD * elem; c += 64) {
+            _mm_prefetch(a->key_cache + base + t * row + c, _MM_HINT_T1);
+            _mm_prefetch(a->value_cache + base + t * row + c, _MM_HINT_T1);
+        }
+}
+
+#define CHUNK 128  /* cached tokens scored before their softmax and V pass (a multiple of TILE) */
+
+/* Pass 3 of one tile for G query heads at once (G <= 4, head size 64, both compile-time constants):
+ * each V row is widened once, into registers, and goes into all G accumulator rows, which stay in
+ * registers through the tile. */
+static inline __attribute__((always_inline)) void v_tile_grouped(float acc[][MAX_HEAD_DIM], float p[][CHUNK], int off,
+                                                                  const char *vb, int64_t row, int n,
+                                                                  const int BF16, const int G) {
+    __m512 r[4][4];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 4; j++) r[g][j] = _mm512_load_ps(&acc[g][16 * j]);
+    for (int t = 0; t < n; t++) {
+        __m512 v[4];
+        for (int j = 0; j < 4; j++) v[j] = load16(vb + t * row, 16 * j, BF16);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[g][off + t]);
+            for (int j = 0; j < 4; j++) r[g][j] = _mm512_fmadd_ps(w, v[j], r[g][j]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(&acc[g][16 * j], r[g][j]);
+}
+
+/* item_scalar's contract, vectorised (head_dim % 16 == 0). The sequence goes in chunks of up to
+ * CHUNK cached tokens, three passes each:
+ *   1. scores: tiles of up to 16 tokens (one block's), a query head's 16 scores being 16 dot
+ *      products (dot16) reduced together (sum16) and stored to the chunk's score rows;
+ *   2. the softmax of each query head over the chunk: one max, exp16 over the rows, one rescale of
+ *      the running sums (online softmax between chunks, as flash-decoding does);
+ *   3. V: the accumulator rows take each tile's V rows, widened once per tile (v_tile_grouped: all
+ *      the group's rows in registers, for head size 64 and groups up to 4; otherwise a row at a
+ *      time, bf16 V widened once into L1 scratch and fp32 V read straight from the cache).
+ * Scoring a whole chunk before its softmax keeps the dependent steps (max, exp, rescale) off the
+ * per-tile path, and each block's K and V rows are prefetched while the block before is scored, so
+ * reading the scattered blocks overlaps the arithmetic (benchmarks/cpu_kernels.py). */
 static inline __attribute__((always_inline)) void item_avx512(const struct args *a, int64_t item,
                                                                const int HD, const int BF16)
 {
     const int64_t elem = BF16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
     const int s = (int)(item / a->num_kv_heads), h = (int)(item % a->num_kv_heads), group = a->group;
-    const int len = a->seq_lens[s], block_size = a->block_size, NV = HD / 16;
+    const int len = a->seq_lens[s], NV = HD / 16;
 #ifdef __AVX512BF16__
     const int DP = BF16;  /* scores by bf16 pair dot products: raw bf16 query, scaled afterwards */
 #else
@@ -197,8 +264,8 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
     float q[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
     bf16_t qb[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float vt[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float p[TILE] __attribute__((aligned(64)));
+    float vt[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* a tile's V rows widened (bf16, wide groups) */
+    float p[MAX_GROUP][CHUNK] __attribute__((aligned(64)));  /* the chunk's scores, then its weights */
     float running_max[MAX_GROUP], denom[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         const char *qs = a->query + (s * a->q_stride_tok + (int64_t)(h * group + g) * a->q_stride_head) * elem;
@@ -210,42 +277,75 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
         running_max[g] = -FLT_MAX;
         denom[g] = 0.f;
     }
-    const __m512 score_scale = _mm512_set1_ps(DP ? a->scale : 1.f);
+    const __m512 score_scale = _mm512_set1_ps(DP ? a->scale : 1.f), lowest = _mm512_set1_ps(-FLT_MAX);
     const int32_t *table = a->block_tables + s * a->bt_stride;
     const int64_t head = h * a->c_stride_head, row = a->c_stride_tok * elem;
-    for (int start = 0, n; start < len; start += n) {
-        const int in_block = start % block_size;
-        n = len - start < TILE ? len - start : TILE;
-        if (n > block_size - in_block) n = block_size - in_block;  /* a tile never spans two blocks */
-        const int64_t base = (int64_t)table[start / block_size] * a->c_stride_block + head + in_block * a->c_stride_tok;
-        const char *kb = a->key_cache + base * elem, *vb = a->value_cache + base * elem;
-        if (BF16)
-            for (int t = 0; t < n; t++)
-                for (int j = 0; j < NV; j++) _mm512_store_ps(&vt[t][16 * j], load16(vb + t * row, 16 * j, 1));
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        for (int g = 0; g < group; g++) {
-            __m512 dots[TILE];
-            for (int t = 0; t < TILE; t++)  /* rows past the sequence's end are never read */
-                dots[t] = t < n ? dot16(q[g], qb[g], kb + t * row, HD, BF16, DP) : _mm512_setzero_ps();
-            const __m512 scores = _mm512_mask_blend_ps(
-                valid, _mm512_set1_ps(-FLT_MAX),
-                _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(sum8(dots)), sum8(dots + 8), 1), score_scale));
-            const float tile_max = _mm512_reduce_max_ps(scores);
-            const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-            _mm512_store_ps(p, e);
-            const float rescale = expf(running_max[g] - new_max);
-            denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(e);
-            running_max[g] = new_max;
-            __m512 acc_row[MAX_HEAD_DIM / 16];
-            for (int j = 0; j < NV; j++) acc_row[j] = _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * j]), _mm512_set1_ps(rescale));
-            for (int t = 0; t < n; t++) {
-                const __m512 w = _mm512_set1_ps(p[t]);
-                for (int j = 0; j < NV; j++)
-                    acc_row[j] = _mm512_fmadd_ps(w, BF16 ? _mm512_load_ps(&vt[t][16 * j]) : load16(vb + t * row, 16 * j, 0),
-                                                 acc_row[j]);
+    for (int chunk = 0; chunk < len; chunk += CHUNK) {
+        const int end = len - chunk < CHUNK ? len : chunk + CHUNK, cn = end - chunk;
+        int64_t offset;
+        for (int start = chunk, n; start < end; start += n) {  /* 1. scores */
+            n = tile_at(a, table, head, start, end, &offset);
+            prefetch_next_block(a, table, head, start + n, len, HD, elem);
+            const char *kb = a->key_cache + offset * elem;
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            for (int g = 0; g < group; g++) {
+                __m512 dots[TILE];
+                for (int t = 0; t < TILE; t++)  /* rows past the tile's end are never read */
+                    dots[t] = t < n ? dot16(q[g], qb[g], kb + t * row, HD, BF16, DP) : _mm512_setzero_ps();
+                const __m512 scores = _mm512_mul_ps(sum16(dots), score_scale);
+                _mm512_mask_storeu_ps(&p[g][start - chunk], valid, scores);
             }
-            for (int j = 0; j < NV; j++) _mm512_store_ps(&acc[g][16 * j], acc_row[j]);
+        }
+        for (int g = 0; g < group; g++) {  /* 2. the softmax over the chunk */
+            __m512 top = lowest;
+            for (int i = 0; i < cn; i += 16) {
+                const __mmask16 valid = cn - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cn - i)) - 1u);
+                top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, valid, &p[g][i]));
+            }
+            const float chunk_max = _mm512_reduce_max_ps(top);
+            const float new_max = chunk_max > running_max[g] ? chunk_max : running_max[g];
+            const __m512 shift = _mm512_set1_ps(new_max);
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < cn; i += 16) {
+                const __mmask16 valid = cn - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cn - i)) - 1u);
+                const __m512 e = _mm512_maskz_mov_ps(
+                    valid, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, valid, &p[g][i]), shift)));
+                _mm512_storeu_ps(&p[g][i], e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            const float rescale = expf(running_max[g] - new_max);
+            denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(sum);
+            running_max[g] = new_max;
+            for (int j = 0; j < NV; j++)
+                _mm512_store_ps(&acc[g][16 * j], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * j]), _mm512_set1_ps(rescale)));
+        }
+        for (int start = chunk, n; start < end; start += n) {  /* 3. V */
+            n = tile_at(a, table, head, start, end, &offset);
+            const char *vb = a->value_cache + offset * elem;
+            if (HD == 64 && group <= 4) {  /* accumulators in registers */
+                switch (group) {
+                case 1: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 1); break;
+                case 2: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 2); break;
+                case 3: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 3); break;
+                default: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 4); break;
+                }
+                continue;
+            }
+            if (BF16)
+                for (int t = 0; t < n; t++)
+                    for (int j = 0; j < NV; j++) _mm512_store_ps(&vt[t][16 * j], load16(vb + t * row, 16 * j, 1));
+            for (int g = 0; g < group; g++) {
+                const float *w = &p[g][start - chunk];
+                __m512 acc_row[MAX_HEAD_DIM / 16];
+                for (int j = 0; j < NV; j++) acc_row[j] = _mm512_load_ps(&acc[g][16 * j]);
+                for (int t = 0; t < n; t++) {
+                    const __m512 wt = _mm512_set1_ps(w[t]);
+                    for (int j = 0; j < NV; j++)
+                        acc_row[j] = _mm512_fmadd_ps(wt, BF16 ? _mm512_load_ps(&vt[t][16 * j]) : load16(vb + t * row, 16 * j, 0),
+                                                     acc_row[j]);
+                }
+                for (int j = 0; j < NV; j++) _mm512_store_ps(&acc[g][16 * j], acc_row[j]);
+            }
         }
     }
     store_rows(a, s, h, acc, denom, HD, BF16);

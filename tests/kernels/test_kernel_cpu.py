@@ -53,6 +53,21 @@ def test_cpu_attention_matches_reference(paged_batch, bf16_cpu, shape, gqa, head
 
 
 @needs_native
+@pytest.mark.parametrize("gqa", [4, 5])  # 4: the widest group whose accumulators stay in registers
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_chunks_ending_inside_a_block_match_the_reference(paged_batch, bf16_cpu, gqa, head_dim, dtype):
+    """The kernel scores up to 128 cached tokens before their softmax: with 24-token blocks a chunk
+    ends inside a block (128 = 5 * 24 + 8), and sequences of 127-300 tokens end on both sides of it."""
+    batch = paged_batch(q_lens=[1] * 6, seq_lens=[300, 129, 128, 127, 152, 1], num_heads=2 * gqa, num_kv_heads=2,
+                        head_dim=head_dim, block_size=24, head_major=True, dtype=dtype)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
+
+
+@needs_native
 def test_cpu_attention_reads_strided_query_and_writes_into_out(paged_batch):
     batch = paged_batch(**DECODE, num_heads=6, num_kv_heads=2, head_dim=64, head_major=True)
     wide = torch.randn(batch.query.shape[0], 3 * 6, 64)
