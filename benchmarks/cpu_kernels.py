@@ -8,12 +8,15 @@ section quotes.
   was at git revision REV and alternates the two in this process (same inputs, same cache). Printed
   beside: a plain read of the same blocks (torch ``index_select`` of K and V), the rate the cache can
   be read at in that pattern.
+- ``prefill``: one sequence's prefill chunk (64, 288, 512 and 2,048 new tokens, no cached context,
+  head-major bf16 and fp32 caches on shuffled blocks) through the C kernel, a row per token
+  (``kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``kernels.cpu._prefill``).
 - ``fused``: ``kernels.cpu_fused`` (RMSNorm after its residual add, rotary) against the torch code
   of ``worker_service.models.layers`` at 32, 512 and 2,048 tokens.
 
 Timings are medians of alternating rounds (this host's speed drifts between runs: compare within one).
 
-    python benchmarks/cpu_kernels.py                      # both parts
+    python benchmarks/cpu_kernels.py                      # every part
     python benchmarks/cpu_kernels.py --part decode --against 2f39b1b
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import statistics
 import subprocess
@@ -125,6 +129,37 @@ def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 436
               f"(rounds: {', '.join(f'{v * 1e3:.3f}' for v in values)})")
 
 
+def prefill(rounds: int) -> None:
+    blocks = 256
+    gen = torch.Generator().manual_seed(0)
+    print(f"prefill attention of one sequence (no cached context), {torch.get_num_threads()} threads, "
+          f"medians of {rounds} rounds; GFLOP/s counted over the causal half:")
+    for dtype in (torch.bfloat16, torch.float32):
+        k, v = (torch.randn(KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype).permute(1, 2, 0, 3)
+                for _ in range(2))
+        if cpu._function(dtype) is None or not cpu._supported(torch.empty(1, HEADS, HEAD_DIM, dtype=dtype), k, v):
+            print(f"  {dtype}: the C kernel is not available on this machine")
+            continue
+        for tokens in (64, 288, 512, 2048):
+            table = torch.randperm(blocks, generator=gen)[: -(-tokens // BLOCK)].to(torch.int32)
+            query = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+            out = torch.empty_like(query)
+            scale = HEAD_DIM ** -0.5
+            cases = {"gather + SDPA": functools.partial(cpu._prefill, query, k, v, table, tokens, scale),
+                     "C kernel": functools.partial(cpu._native_prefill, query, k, v, table, tokens, scale, out)}
+            times: dict[str, list[float]] = {name: [] for name in cases}
+            repeat = max(2, 4096 // tokens)
+            for r in range(rounds):
+                for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
+                    times[name].append(_timed(fn, repeat))
+            flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
+            cases["C kernel"]()
+            diff = (cases["gather + SDPA"]().float() - out.float()).abs().max().item()
+            print(f"  {str(dtype).removeprefix('torch.'):>8} {tokens:>5} tokens: " + ", ".join(
+                f"{name} {statistics.median(t) * 1e3:.3f} ms ({flops / statistics.median(t) / 1e9:.0f} GFLOP/s)"
+                for name, t in times.items()) + f"; largest difference {diff:.1e}")
+
+
 def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.Generator,
                  rounds: int) -> dict[str, float]:
     """Median seconds of each op at ``tokens`` tokens."""
@@ -171,7 +206,7 @@ def fused(rounds: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["decode", "fused", "both"], default="both")
+    parser.add_argument("--part", choices=["decode", "prefill", "fused", "all"], default="all")
     parser.add_argument("--against", metavar="REV", help="also time the decode kernel's source at this git revision")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
@@ -181,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     tune_malloc()  # as the worker runs
     print(f"load average at start {os.getloadavg()}")
-    if args.part in ("decode", "both"):
+    if args.part in ("decode", "all"):
         decode(args.rounds, args.against, args.layers, args.blocks)
-    if args.part in ("fused", "both"):
+    if args.part in ("prefill", "all"):
+        prefill(args.rounds)
+    if args.part in ("fused", "all"):
         fused(args.rounds)
     print(f"load average at end {os.getloadavg()}")
     return 0

@@ -13,9 +13,14 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   native bf16, fp16, GQA group > 16, head_dim > 256, block_size > 128), decode rows are batched in
   torch: sequences of similar length grouped, K/V gathered into reused per-thread scratch buffers,
   one fp32 SDPA call per group;
-* prefill chunks gather one sequence's K/V into scratch and run SDPA (causal, ``is_causal`` when
-  the chunk has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32), where
-  SDPA's tiled matmuls are the fast part.
+* prefill chunks go through the same C kernel, one row per query token (row j of a chunk attends to
+  the first ``seq_len - q_len + j + 1`` positions, its causal prefix): a prompt's K/V stay in L2
+  while its rows read them, and on these CPUs the kernel ran 2-3x SDPA's CPU flash kernel on
+  prompts of 64-512 tokens, level at 2,048 (``python benchmarks/cpu_kernels.py --part prefill``).
+  A row's attention is then computed by the same arithmetic whether its token was prefilled or
+  decoded, so a recomputed prefill (a resume after a fault) repeats it exactly. Without the kernel,
+  a chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the
+  chunk has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32).
 
 :func:`available` tells whether the C kernel is there.
 """
@@ -105,18 +110,44 @@ def _native_decode(
         _decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
         return
     tables = block_tables.to(torch.int32).contiguous()
-    lengths = seq_lens.to(torch.int32).contiguous()
+    _run(fn, query, key_cache, value_cache, tables, tables.stride(0), seq_lens.to(torch.int32).contiguous(), scale, out)
+
+
+def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+         tables: torch.Tensor, table_stride: int, lengths: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """One call of the C kernel: row i of ``query`` attends to the first ``lengths[i]`` positions of
+    the block table at ``tables`` + i * ``table_stride`` (int32, ``lengths`` too); writes ``out``."""
     target = out if out.dtype == query.dtype and out.stride(-1) == 1 else torch.empty_like(query)
-    num_seqs, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     fn(query.data_ptr(), query.stride(0), query.stride(1),
        key_cache.data_ptr(), value_cache.data_ptr(),
        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-       tables.data_ptr(), tables.stride(0), lengths.data_ptr(),
+       tables.data_ptr(), table_stride, lengths.data_ptr(),
        target.data_ptr(), target.stride(0), target.stride(1),
-       num_seqs, num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
+       num_rows, num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
     if target is not out:
         out.copy_(target)
+
+
+def _native_prefill(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,  # [q_len, num_heads, head_dim], written
+) -> None:
+    """:func:`_prefill`'s contract, in C when the inputs allow it: one kernel row per query token,
+    each over its causal prefix, all rows reading the sequence's one block table."""
+    fn = _function(query.dtype)
+    if fn is None or not _supported(query, key_cache, value_cache):
+        out.copy_(_prefill(query, key_cache, value_cache, block_table, seq_len, scale))
+        return
+    q_len = query.shape[0]
+    lengths = torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
+    _run(fn, query, key_cache, value_cache, block_table.to(torch.int32).contiguous(), 0, lengths, scale, out)
 
 
 def _write_function() -> ctypes._CFuncPtr | None:
@@ -189,7 +220,7 @@ def _paged_attention(
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention with decode rows handed to ``decode`` (the signature of :func:`_decode`), batched;
-    prefill chunks one sequence at a time through SDPA."""
+    prefill chunks one sequence at a time (:func:`_native_prefill`)."""
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
@@ -220,9 +251,8 @@ def _paged_attention(
         out[rows] = decode_out
     for s in range(num_seqs):
         if q_lens[s] > 1:
-            out[qsl[s] : qsl[s + 1]] = _prefill(
-                query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale
-            )
+            _native_prefill(query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale,
+                            out[qsl[s] : qsl[s + 1]])
     return out
 
 

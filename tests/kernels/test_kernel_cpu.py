@@ -93,6 +93,36 @@ def test_cpu_attention_uses_the_kernel_for_decode_rows(paged_batch, monkeypatch,
     cpu.cpu_paged_attention(*batch.args())
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_attention_uses_the_kernel_for_prefill_chunks(paged_batch, monkeypatch, bf16_cpu, dtype):
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("prefill chunks must not take the SDPA path")
+
+    monkeypatch.setattr(cpu, "_prefill", no_sdpa)
+    batch = paged_batch(**MIXED, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_prefilled_equals_the_row_decoded(paged_batch, bf16_cpu, dtype):
+    """A resume recomputes delivered tokens in a prefill chunk: each row's attention comes out bit
+    for bit as when its token was decoded (one row, its causal prefix of the cache)."""
+    batch = paged_batch(q_lens=[40, 1], seq_lens=[300, 170], num_heads=6, num_kv_heads=2, head_dim=64,
+                        block_size=16, head_major=True, dtype=dtype)
+    prefilled = cpu.cpu_paged_attention(*batch.args())
+
+    for j in (0, 17, 39):  # row j of the chunk sees the first 300 - 40 + j + 1 positions
+        decoded = cpu.cpu_paged_attention(
+            batch.query[j: j + 1], batch.key_cache, batch.value_cache, batch.block_tables[:1],
+            torch.tensor([0, 1], dtype=torch.int32), torch.tensor([261 + j], dtype=torch.int32), batch.scale)
+        assert torch.equal(decoded[0], prefilled[j])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16_bit_decode_without_native_bf16_takes_the_torch_path(paged_batch, monkeypatch, no_bf16_cpu, dtype):
     calls = []
