@@ -105,7 +105,10 @@ class OutputFanout:
 
     async def stop(self) -> None:
         await cancel_and_wait([self._task])
-        await self._redis.delete(self.wake_key)
+        try:
+            await self._redis.delete(self.wake_key)
+        except RedisError as exc:  # Redis away as the gateway stops: the wake stream expires on its own
+            log.warning("could not delete %s (%s); it expires within %ds", self.wake_key, exc, WAKE_TTL_S)
 
     def subscribe(self, key: str, *, max_pending: int = 0, on_overflow=None) -> Subscription:
         """Start delivering ``key``'s entries (from its beginning), at most ``max_pending`` waiting

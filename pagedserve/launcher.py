@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servicekit.flags import LOG_LEVELS, key_prefix_setting, setting
 from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT, SCHEDULER_PORT, WORKER_PORT
+from servicekit.serving import PARENT_PID_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,6 +100,7 @@ class Stack:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         env["PYTHONUNBUFFERED"] = "1"
+        env[PARENT_PID_ENV] = str(os.getpid())  # each service drains and exits if this process dies
         self._env = env
 
     def _spawn(self, name: str, argv: list[str], health_address: str = "", quiet: bool = False) -> Child:
@@ -119,8 +121,12 @@ class Stack:
         redis_url = o.redis_url
         if not redis_url:
             port = o.redis_port or free_port()
-            self._spawn("redis", [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no", "--dir", self._tmp.name, "--loglevel", "warning"], quiet=True)
+            # Redis cannot watch its parent: the kernel sends it SIGTERM when this thread dies
+            # (setpriv, util-linux, where present), so a launcher killed with SIGKILL leaves no Redis.
+            pdeathsig = ["setpriv", "--pdeathsig", "TERM"] if shutil.which("setpriv") else []
+            self._spawn("redis", [*pdeathsig, find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "no", "--dir", self._tmp.name, "--loglevel", "warning"],
+                        quiet=True)
             redis_url = f"redis://127.0.0.1:{port}/0"
             self._wait_redis(port)
         common = ["--redis-url", redis_url, "--key-prefix", o.key_prefix]

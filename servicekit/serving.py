@@ -5,7 +5,8 @@
 - :class:`ServerLifecycle` owns a ``grpc.aio`` server with ``grpc.health.v1`` and reflection;
   :meth:`ServerLifecycle.drain` flips health to NOT_SERVING, lets in-flight work finish within the
   grace period, then stops the server.
-- :func:`wait_for_signal` turns SIGTERM / SIGINT into an awaitable.
+- :func:`wait_for_signal` turns SIGTERM / SIGINT into an awaitable, and :func:`wait_for_parent_exit`
+  the death of the launcher that started the service (``PAGEDSERVE_PARENT_PID``) into another.
 """
 
 from __future__ import annotations
@@ -270,6 +271,37 @@ async def wait_for_signal(signals: Iterable[int] = (signal.SIGTERM, signal.SIGIN
             loop.remove_signal_handler(sig)
 
 
+# Set by a launcher (``pagedserve serve``) to its own pid in each service it starts: a service whose
+# launcher is gone (killed with SIGKILL, so it could not stop its children) drains and exits, instead
+# of serving on as an orphan that holds the stack's ports.
+PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+PARENT_POLL_S = 0.5
+
+
+async def wait_for_parent_exit(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """Return once this process's parent is no longer ``parent_pid``: the parent died and the process
+    was handed to init (or a subreaper)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(poll_s)
+
+
+def _parent_pid(env: Mapping[str, str], name: str) -> int | None:
+    """The launcher's pid to watch, from ``PAGEDSERVE_PARENT_PID``; None when unset, unreadable, or
+    not this process's parent (the variable leaked into a process someone else started)."""
+    value = env.get(PARENT_PID_ENV, "")
+    if not value:
+        return None
+    try:
+        pid = int(value)
+    except ValueError:
+        log.warning("pagedserve %s: ignoring %s=%r (not a pid)", name, PARENT_PID_ENV, value)
+        return None
+    if pid != os.getppid():
+        log.warning("pagedserve %s: ignoring %s=%d: the parent is %d", name, PARENT_PID_ENV, pid, os.getppid())
+        return None
+    return pid
+
+
 class _App(Protocol):
     async def start(self) -> None: ...
     async def drain(self) -> None: ...
@@ -290,17 +322,25 @@ def service_main(name: str, build_parser: Callable[[Mapping[str, str]], argparse
         print(f"pagedserve {name}: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve_until_signal(name, make_app(settings), settings.drain_grace_s))
+        asyncio.run(_serve_until_signal(name, make_app(settings), settings.drain_grace_s, _parent_pid(env, name)))
     except StartupError as exc:
         print(f"pagedserve {name}: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _serve_until_signal(name: str, app: _App, grace_s: float) -> None:
+async def _serve_until_signal(name: str, app: _App, grace_s: float, parent_pid: int | None = None) -> None:
+    """Serve until SIGTERM / SIGINT, or until the launcher ``parent_pid`` (if given) is gone; then drain."""
     service_log = logging.getLogger(f"pagedserve.{name}")
     await app.start()
-    sig = await wait_for_signal()
-    service_log.info("signal %d: draining (grace %.0fs)", sig, grace_s)
+    signalled = asyncio.ensure_future(wait_for_signal())
+    waits = [signalled] if parent_pid is None else [signalled, asyncio.ensure_future(wait_for_parent_exit(parent_pid))]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if signalled.done() and not signalled.cancelled():
+        service_log.info("signal %d: draining (grace %.0fs)", signalled.result(), grace_s)
+    else:
+        service_log.warning("the launcher (pid %d) is gone: draining (grace %.0fs)", parent_pid, grace_s)
     await app.drain()
     service_log.info("%s stopped", name)

@@ -3,30 +3,33 @@ SDK; Ctrl-C / SIGTERM stops every process cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from pagedserve.client import Client
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit import serving
+from servicekit.serving import PARENT_PID_ENV
 
 from .conftest import DTYPE, REPO, free_port
 
 pytestmark = [pytest.mark.service, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
+def _serve(model_dir: str, log: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`pagedserve serve` on free ports, once it says it is serving."""
     ports = {name: free_port() for name in ("port", "http-port", "scheduler-port", "worker-port", "redis-port")}
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", "serve", "--model", tiny_model_dir,
+            [sys.executable, "-m", "pagedserve.cli", "serve", "--model", model_dir,
              *(f"--{k}={v}" for k, v in ports.items()), "--worker-arg=--num-blocks=512", f"--worker-arg=--dtype={DTYPE}",
              "--worker-arg=--max-num-seqs=32", "--drain-grace-s=3"],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -36,6 +39,13 @@ def served(tiny_model_dir, tmp_path_factory):
             proc.kill()
             pytest.fail(f"pagedserve serve did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
+    return proc, ports
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc, ports = _serve(tiny_model_dir, log)
     yield f"127.0.0.1:{ports['port']}", proc, log
     if proc.poll() is None:
         proc.kill()
@@ -64,3 +74,71 @@ def test_sigint_stops_every_process_cleanly(served):
     for service in ("gateway", "scheduler", "worker"):
         assert f"{service} stopped" in text
     assert "pagedserve serve: stopped" in text
+
+
+def _started_by(launcher_pid: int, redis_port: int) -> list[int]:
+    """The live processes a launcher started: the services carry its pid in PAGEDSERVE_PARENT_PID;
+    Redis writes its title over its environment, so it is known by its port."""
+    mark, redis = f"{PARENT_PID_ENV}={launcher_pid}".encode(), f"127.0.0.1:{redis_port}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ours = (mark in (entry / "environ").read_bytes().split(b"\0")
+                    or (b"redis-server" in (cmdline := (entry / "cmdline").read_bytes()) and redis in cmdline))
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if ours and not _exited(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped (an orphan's new parent in a container may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux's /proc")
+def test_a_killed_launcher_leaves_no_process_behind(tiny_model_dir, tmp_path):
+    """`pagedserve serve` killed with SIGKILL cannot stop its children: each service notices its
+    launcher is gone and drains and exits; Redis gets SIGTERM from the kernel (setpriv --pdeathsig)."""
+    log = tmp_path / "serve.log"
+    proc, ports = _serve(tiny_model_dir, log)
+    children = _started_by(proc.pid, ports["redis-port"])
+    assert len(children) == 4, children  # Redis, worker, scheduler, gateway
+
+    proc.kill()
+    proc.wait(10)
+
+    deadline = time.monotonic() + 30
+    while [pid for pid in children if not _exited(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in children if not _exited(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, log.read_text()[-3000:]
+    text = log.read_text()
+    assert text.count(f"the launcher (pid {proc.pid}) is gone: draining") == 3, text[-3000:]
+    for service in ("gateway", "scheduler", "worker"):
+        assert f"{service} stopped" in text
+
+
+def test_the_parent_pid_is_watched_only_when_it_is_the_parent(caplog):
+    parent = os.getppid()
+    assert serving._parent_pid({PARENT_PID_ENV: str(parent)}, "worker") == parent
+    assert serving._parent_pid({}, "worker") is None
+    assert serving._parent_pid({PARENT_PID_ENV: "launcher"}, "worker") is None
+    assert serving._parent_pid({PARENT_PID_ENV: str(parent + 1)}, "worker") is None  # leaked into another process
+    assert "ignoring PAGEDSERVE_PARENT_PID" in caplog.text
+
+
+async def test_waiting_for_the_parent_ends_when_the_process_is_reparented(monkeypatch):
+    parents = iter([41, 41, 41, 1])
+    monkeypatch.setattr(os, "getppid", lambda: next(parents))
+
+    await asyncio.wait_for(serving.wait_for_parent_exit(41, poll_s=0.01), 5)

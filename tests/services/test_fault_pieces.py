@@ -282,3 +282,23 @@ def test_simulated_runner_tokens_depend_on_seed_and_position_only():
     assert parse_step_latency("0.02,0.0001") == (0.02, 0.0001)
     with pytest.raises(ValueError):
         parse_step_latency("0.02")
+
+
+async def test_the_output_fanout_stops_cleanly_with_redis_gone(tmp_path, caplog):
+    """A gateway drained while Redis is away (or just killed with the rest of a stack) stops
+    without an exception: its small wake stream expires on its own."""
+    from gateway_service.output_fanout import OutputFanout
+
+    from .conftest import start_redis_server, stop_redis_server
+
+    server = start_redis_server(tmp_path)
+    client = aioredis.Redis(port=server.port, socket_connect_timeout=1)
+    fanout = OutputFanout(client, RedisKeys("gone:"), "gw", block_ms=50)
+    fanout.start()
+    await asyncio.sleep(0.2)
+    stop_redis_server(server)
+
+    await fanout.stop()
+
+    assert "could not delete gone:gw:gw:wake" in caplog.text
+    await client.aclose()
