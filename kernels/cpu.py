@@ -130,17 +130,11 @@ def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, val
         out.copy_(target)
 
 
-def _native_prefill(
-    query: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the sequence
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [max_blocks]
-    seq_len: int,
-    scale: float,
-    out: torch.Tensor,  # [q_len, num_heads, head_dim], written
-) -> None:
-    """:func:`_prefill`'s contract, in C when the inputs allow it: one kernel row per query token,
-    each over its causal prefix, all rows reading the sequence's one block table."""
+def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int, scale: float, out: torch.Tensor) -> None:
+    """:func:`_prefill`'s contract (same arguments), written into ``out``, in C when the inputs allow
+    it: one kernel row per query token, each over its causal prefix, all rows reading the sequence's
+    one block table."""
     fn = _function(query.dtype)
     if fn is None or not _supported(query, key_cache, value_cache):
         out.copy_(_prefill(query, key_cache, value_cache, block_table, seq_len, scale))

@@ -83,24 +83,15 @@ def test_cpu_attention_reads_strided_query_and_writes_into_out(paged_batch):
 
 
 @needs_native
+@pytest.mark.parametrize("torch_path, shape", [("_decode", DECODE), ("_prefill", MIXED)],
+                         ids=["decode-rows", "prefill-chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_attention_uses_the_kernel_for_decode_rows(paged_batch, monkeypatch, bf16_cpu, dtype):
-    def no_torch_decode(*args, **kwargs):
-        raise AssertionError("decode rows must not take the torch path")
+def test_cpu_attention_uses_the_kernel(paged_batch, monkeypatch, bf16_cpu, torch_path, shape, dtype):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{torch_path} (the torch path) must not run where the C kernel applies")
 
-    monkeypatch.setattr(cpu, "_decode", no_torch_decode)
-    batch = paged_batch(**DECODE, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
-    cpu.cpu_paged_attention(*batch.args())
-
-
-@needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cpu_attention_uses_the_kernel_for_prefill_chunks(paged_batch, monkeypatch, bf16_cpu, dtype):
-    def no_sdpa(*args, **kwargs):
-        raise AssertionError("prefill chunks must not take the SDPA path")
-
-    monkeypatch.setattr(cpu, "_prefill", no_sdpa)
-    batch = paged_batch(**MIXED, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
+    monkeypatch.setattr(cpu, torch_path, refused)
+    batch = paged_batch(**shape, num_heads=6, num_kv_heads=2, head_dim=64, dtype=dtype)
 
     out = cpu.cpu_paged_attention(*batch.args())
 
