@@ -13,14 +13,15 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   native bf16, fp16, GQA group > 16, head_dim > 256, block_size > 128), decode rows are batched in
   torch: sequences of similar length grouped, K/V gathered into reused per-thread scratch buffers,
   one fp32 SDPA call per group;
-* prefill chunks go through the same C kernel, one row per query token (row j of a chunk attends to
-  the first ``seq_len - q_len + j + 1`` positions, its causal prefix): a prompt's K/V stay in L2
-  while its rows read them, and on these CPUs the kernel ran 2-3x SDPA's CPU flash kernel on
-  prompts of 64-512 tokens, level at 2,048 (``python benchmarks/cpu_kernels.py --part prefill``).
-  A row's attention is then computed by the same arithmetic whether its token was prefilled or
-  decoded, so a recomputed prefill (a resume after a fault) repeats it exactly. Without the kernel,
-  a chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the
-  chunk has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32).
+* prefill chunks go through the same C kernel where it has its AVX-512 loop (head sizes 64 and
+  128), one row per query token: row j of a chunk attends to the first ``seq_len - q_len + j + 1``
+  positions, its causal prefix. A prompt's K/V stay in L2 while its rows read them, and on these
+  CPUs the kernel ran 2-3x SDPA's CPU flash kernel on prompts of 64-512 tokens, level at 2,048
+  (``python benchmarks/cpu_kernels.py --part prefill``). A row's attention is then the same
+  arithmetic whether its token was prefilled or decoded, so a recomputed prefill (a resume after a
+  fault) repeats it exactly. Elsewhere (no compiler, no AVX-512, other head sizes) a chunk gathers
+  its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk has no cached
+  context) in the cache's dtype (bf16 SDPA accumulates in fp32).
 
 :func:`available` tells whether the C kernel is there.
 """
@@ -130,13 +131,21 @@ def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, val
         out.copy_(target)
 
 
+def _vectorized(head_dim: int) -> bool:
+    """Whether the kernel has its AVX-512 loop for ``head_dim``: a prefill chunk (a row per token, so
+    its causal half of the scores one row at a time) is faster than SDPA only there; the plain C loop,
+    fine for decode rows, would be far slower than SDPA's GEMMs."""
+    fn = native.function(_KERNEL, "paged_decode_attention_vectorized", [native.INT], ctypes.c_int)
+    return fn is not None and bool(fn(head_dim))
+
+
 def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_len: int, scale: float, out: torch.Tensor) -> None:
     """:func:`_prefill`'s contract (same arguments), written into ``out``, in C when the inputs allow
     it: one kernel row per query token, each over its causal prefix, all rows reading the sequence's
     one block table."""
     fn = _function(query.dtype)
-    if fn is None or not _supported(query, key_cache, value_cache):
+    if fn is None or not _supported(query, key_cache, value_cache) or not _vectorized(query.shape[2]):
         out.copy_(_prefill(query, key_cache, value_cache, block_table, seq_len, scale))
         return
     q_len = query.shape[0]

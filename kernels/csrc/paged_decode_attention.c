@@ -400,3 +400,14 @@ void NAME( \
 ENTRY_POINT(paged_decode_attention_f32, float, f32)
 ENTRY_POINT(paged_decode_attention_bf16, bf16_t, bf16)
 #undef ENTRY_POINT
+
+/* 1 when this build has the intrinsics loop for `head_dim` (AVX-512, head size 64 or 128), else 0:
+ * the plain C loop is fine for decode rows, but prefill chunks go to SDPA without the fast loop. */
+int paged_decode_attention_vectorized(int head_dim) {
+#ifdef HAVE_AVX512
+    return head_dim == 64 || head_dim == 128;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}

@@ -228,6 +228,29 @@ def test_every_compiled_decode_loop_matches_the_reference(paged_batch, bf16_cpu,
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
 
 
+@needs_native
+@pytest.mark.parametrize("extra, prefill_in_c", [((), True), (("-mno-avx512f",), False)],
+                         ids=["this-build", "plain-c-build"])
+def test_prefill_chunks_take_the_kernel_only_with_its_avx512_loop(paged_batch, monkeypatch, tmp_path, extra,
+                                                                   prefill_in_c):
+    """Row by row, a prefill chunk beats SDPA only in the AVX-512 loop; a build without it (as on a
+    CPU without AVX-512) leaves prefill to SDPA and keeps the C kernel for decode rows."""
+    if "__AVX512F__" not in _native_flags():
+        pytest.skip("this machine's build has no AVX-512 loop")
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + extra)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    sdpa_calls = []
+    sdpa = cpu._prefill
+    monkeypatch.setattr(cpu, "_prefill", lambda *args: sdpa_calls.append(args[0].shape[0]) or sdpa(*args))
+    batch = paged_batch(**MIXED, num_heads=6, num_kv_heads=2, head_dim=64, head_major=True)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    assert sdpa_calls == ([] if prefill_in_c else [7, 20])  # MIXED's two prefill chunks
+    torch.testing.assert_close(out, ref_paged_attention(*batch.args()), **TOLERANCE[torch.float32])
+
+
 @pytest.fixture
 def torch_decode(monkeypatch):
     """The CPU path as on a machine without a C compiler: decode rows batched in torch."""
