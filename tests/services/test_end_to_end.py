@@ -110,18 +110,22 @@ def test_a_killed_launcher_leaves_no_process_behind(tiny_model_dir, tmp_path):
     log = tmp_path / "serve.log"
     proc, ports = _serve(tiny_model_dir, log)
     children = _started_by(proc.pid, ports["redis-port"])
-    assert len(children) == 4, children  # Redis, worker, scheduler, gateway
+    try:
+        assert len(children) == 4, children  # Redis, worker, scheduler, gateway
 
-    proc.kill()
-    proc.wait(10)
+        proc.kill()
+        proc.wait(10)
 
-    deadline = time.monotonic() + 30
-    while [pid for pid in children if not _exited(pid)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [pid for pid in children if not _exited(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, log.read_text()[-3000:]
+        deadline = time.monotonic() + 30
+        while [pid for pid in children if not _exited(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in children if not _exited(pid)]
+        assert not left, log.read_text()[-3000:]
+    finally:  # nothing outlives the test, whatever failed
+        proc.kill()
+        for pid in children:
+            if not _exited(pid):
+                os.kill(pid, signal.SIGKILL)
     text = log.read_text()
     assert text.count(f"the launcher (pid {proc.pid}) is gone: draining") == 3, text[-3000:]
     for service in ("gateway", "scheduler", "worker"):
