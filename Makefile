@@ -17,7 +17,7 @@ help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
 	@echo "make test    - install (first run), then run every test that needs no GPU"
 	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
-	@echo "make native  - build the C decode-attention kernel of the CPU path for this machine"
+	@echo "make native  - build the C attention kernels of the CPU path for this machine"
 	@echo "make clean   - remove the virtual environment and generated code"
 	@echo "make gpu-check     - on a CUDA machine: kernels, model parity, kernel speed, throughput, stack (< 8 min, H200)"
 	@echo "make gpu-check-dry - the same check on this CPU with tiny shapes (Triton's interpreter)"
@@ -38,7 +38,7 @@ install: $(STAMP) gen native kubectl
 gen: $(STAMP)
 	@if [ -f servicekit/proto/gen.py ]; then $(PY) -m servicekit.proto.gen; fi
 
-# The CPU decode-attention kernel (kernels/csrc/, C + OpenMP) for this machine, cached under
+# The CPU attention kernels (kernels/csrc/, C + OpenMP) for this machine, cached under
 # ~/.cache/pagedserve/kernels; without a C compiler it says so and the torch reference is used.
 native: $(STAMP)
 	$(PY) -m kernels.native

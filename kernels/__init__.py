@@ -5,7 +5,8 @@
 * ``kernels.reference``: the plain torch oracle of both (``ref_reshape_and_cache``,
   ``ref_paged_attention``), short and obviously correct, that every kernel is tested against;
 * ``kernels.cpu``: the tuned CPU path of both (``cpu_reshape_and_cache``, ``cpu_paged_attention``:
-  vectorised torch, decode rows in C where a compiler built ``csrc/`` — see ``kernels.native``).
+  vectorised torch, attention — decode rows, and prefill chunks a row per token — in C where a
+  compiler built ``csrc/``; see ``kernels.native``).
 
 The Triton kernels run on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for tests).
 

@@ -65,7 +65,7 @@ class ModelRunnerConfig:
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="paged-attention implementation: " + "; ".join(
         f"{name} = {what}" for name, what in ATTENTION_BACKENDS.items()))
     # CPU tuning (no effect on CUDA)
-    native_kernels: bool = setting(True, help="build and use the C decode-attention kernel (kernels/csrc/) where a "
+    native_kernels: bool = setting(True, help="build and use the C attention kernel (kernels/csrc/) where a "
                                               "C compiler is present")
     kernel_cache: str = setting("", help="where built C kernels are cached (default: ~/.cache/pagedserve/kernels)")
     prepack_weights: bool = setting(True, help="lay bf16 linear weights out once for oneDNN's GEMM (bit-identical "
