@@ -6,8 +6,8 @@ section quotes.
   offline benchmark allocates), 32 sequences of 350–650 tokens on shuffled blocks, one call per layer
   as a step makes them. ``--against REV`` also builds ``kernels/csrc/paged_decode_attention.c`` as it
   was at git revision REV and alternates the two in this process (same inputs, same cache). Printed
-  beside: a plain read of the same blocks (torch ``index_select`` of K and V), the rate the cache can
-  be read at in that pattern.
+  beside: ``C read``, a C loop reading exactly the rows the kernel reads in its order (the floor
+  under the kernel), and ``plain read``, torch's ``index_select`` copy of the same whole blocks.
 - ``prefill``: one sequence's prefill chunk (64, 288, 512 and 2,048 new tokens, no cached context,
   head-major bf16 and fp32 caches on shuffled blocks) through the C kernel, a row per token
   (``kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``kernels.cpu._prefill``).
@@ -67,6 +67,41 @@ def _old_kernel(rev: str, like: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
     return fn
 
 
+# The floor under the kernel: reading the same K/V rows in the same order (items of (sequence, KV head)
+# spread over OpenMP threads as the kernel spreads them), XOR-folding them so nothing is skipped.
+_READ_SOURCE = r"""
+#include <stdint.h>
+uint64_t read_rows(const char *k, const char *v, int64_t s_block, int64_t s_tok, int64_t s_head,
+                   const int32_t *tables, int64_t bt_stride, const int32_t *lens, int num_seqs, int num_kv_heads,
+                   int64_t row_bytes, int block_size, int num_threads) {
+    uint64_t fold = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(^ : fold)
+    for (int64_t item = 0; item < (int64_t)num_seqs * num_kv_heads; item++) {
+        const int s = (int)(item / num_kv_heads), h = (int)(item % num_kv_heads);
+        for (int t = 0; t < lens[s]; t++) {
+            const int64_t at = (int64_t)tables[s * bt_stride + t / block_size] * s_block + (t % block_size) * s_tok
+                               + h * s_head;
+            const uint64_t *kr = (const uint64_t *)(k + at), *vr = (const uint64_t *)(v + at);
+            for (int64_t i = 0; i < row_bytes / 8; i++) fold ^= kr[i] ^ vr[i];
+        }
+    }
+    return fold;
+}
+"""
+
+
+def _read_rows() -> ctypes._CFuncPtr:
+    folder = Path(tempfile.mkdtemp(prefix="pagedserve-read-"))
+    (folder / "read.c").write_text(_READ_SOURCE)
+    subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, "-o", str(folder / "read.so"), str(folder / "read.c"),
+                    *native.LIBS], check=True)
+    fn = ctypes.CDLL(str(folder / "read.so")).read_rows
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_uint64
+    return fn
+
+
 def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 4369) -> None:
     if blocks < 32 * -(-651 // BLOCK):
         raise SystemExit(f"--blocks must be at least {32 * -(-651 // BLOCK)} (32 sequences of up to 651 tokens)")
@@ -112,11 +147,20 @@ def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 436
         for k, v in flat:
             k.index_select(1, ids), v.index_select(1, ids)
 
-    times: dict[str, list[float]] = {name: [] for name in [*kernels, "plain read"]}
+    read_rows = _read_rows()
+    lengths = lens.to(torch.int32)
+
+    def c_read() -> None:
+        for k, v in caches:
+            read_rows(k.data_ptr(), v.data_ptr(), k.stride(0) * 2, k.stride(1) * 2, k.stride(2) * 2, tables.data_ptr(),
+                      tables.stride(0), lengths.data_ptr(), 32, KV_HEADS, HEAD_DIM * 2, BLOCK, torch.get_num_threads())
+
+    times: dict[str, list[float]] = {name: [] for name in [*kernels, "C read", "plain read"]}
     for r in range(rounds):
         order = list(kernels.items()) if r % 2 == 0 else list(reversed(kernels.items()))
         for name, fn in order:
             times[name].append(_timed(lambda fn=fn: step(fn), 5) / layers)
+        times["C read"].append(_timed(c_read, 5) / layers)
         times["plain read"].append(_timed(read, 3) / layers)
     cached = sum(host_lens) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V bytes attention reads per layer
     read_bytes = ids.numel() * BLOCK * KV_HEADS * HEAD_DIM * 2 * 2

@@ -20,6 +20,6 @@ def test_the_cpu_kernel_benchmark_runs_and_reports_every_part():
                           check=False)
 
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "ms a layer" in done.stdout and "plain read" in done.stdout
+    assert "ms a layer" in done.stdout and "C read" in done.stdout and "plain read" in done.stdout
     assert "float32  2048 tokens: gather + SDPA" in done.stdout and "C kernel" in done.stdout
     assert "2048 tokens: add + RMSNorm, torch" in done.stdout and "rotary, fused" in done.stdout
