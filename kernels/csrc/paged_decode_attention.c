@@ -163,6 +163,11 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
 
 #define TILE 16  /* cached tokens per tile: one score per lane */
 
+/* The mask of the first min(n, 16) lanes. */
+static inline __attribute__((always_inline)) __mmask16 first_lanes(int n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
 
 /* The dot product of a query row with a cached K row (fp32 or bf16 as BF16 says), as 16 partial sums.
  * DP (bf16 rows on AVX512-BF16): raw bf16 query pairs times K pairs by the BF16 dot product (exact
@@ -287,7 +292,7 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
             n = tile_at(a, table, head, start, end, &offset);
             prefetch_next_block(a, table, head, start + n, len, HD, elem);
             const char *kb = a->key_cache + offset * elem;
-            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            const __mmask16 valid = first_lanes(n);
             for (int g = 0; g < group; g++) {
                 __m512 dots[TILE];
                 for (int t = 0; t < TILE; t++)  /* rows past the tile's end are never read */
@@ -299,7 +304,7 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
         for (int g = 0; g < group; g++) {  /* 2. the softmax over the chunk */
             __m512 top = lowest;
             for (int i = 0; i < cn; i += 16) {
-                const __mmask16 valid = cn - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cn - i)) - 1u);
+                const __mmask16 valid = first_lanes(cn - i);
                 top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, valid, &p[g][i]));
             }
             const float chunk_max = _mm512_reduce_max_ps(top);
@@ -307,7 +312,7 @@ static inline __attribute__((always_inline)) void item_avx512(const struct args 
             const __m512 shift = _mm512_set1_ps(new_max);
             __m512 sum = _mm512_setzero_ps();
             for (int i = 0; i < cn; i += 16) {
-                const __mmask16 valid = cn - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cn - i)) - 1u);
+                const __mmask16 valid = first_lanes(cn - i);
                 const __m512 e = _mm512_maskz_mov_ps(
                     valid, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, valid, &p[g][i]), shift)));
                 _mm512_storeu_ps(&p[g][i], e);
