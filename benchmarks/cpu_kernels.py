@@ -52,17 +52,26 @@ def _timed(fn, repeat: int) -> float:
     return (time.perf_counter() - started) / repeat
 
 
+def _built(files: dict[str, bytes], source: str, symbol: str) -> ctypes._CFuncPtr:
+    """``symbol`` of ``source`` (one of ``files``, written to a fresh folder) built with the kernels'
+    flags (kernels.native), its types left for the caller to set."""
+    folder = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
+    for name, text in files.items():
+        (folder / name).write_bytes(text)
+    library = folder / f"{Path(source).stem}.so"
+    subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, "-o", str(library), str(folder / source),
+                    *native.LIBS], check=True)
+    return getattr(ctypes.CDLL(str(library)), symbol)
+
+
 def _old_kernel(rev: str, like: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
     """The bf16 entry point of the decode kernel's source at ``rev``, built with today's flags."""
-    folder = Path(tempfile.mkdtemp(prefix="pagedserve-kernel-"))
+    files = {}
     for name in ("paged_decode_attention.c", "bf16.h"):
         shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:kernels/csrc/{name}"], capture_output=True, check=False)
         if shown.returncode == 0:
-            (folder / name).write_bytes(shown.stdout)
-    library = folder / "old.so"
-    subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, "-o", str(library),
-                    str(folder / "paged_decode_attention.c"), *native.LIBS], check=True)
-    fn = ctypes.CDLL(str(library)).paged_decode_attention_bf16
+            files[name] = shown.stdout
+    fn = _built(files, "paged_decode_attention.c", "paged_decode_attention_bf16")
     fn.argtypes, fn.restype = like.argtypes, None
     return fn
 
@@ -91,11 +100,7 @@ uint64_t read_rows(const char *k, const char *v, int64_t s_block, int64_t s_tok,
 
 
 def _read_rows() -> ctypes._CFuncPtr:
-    folder = Path(tempfile.mkdtemp(prefix="pagedserve-read-"))
-    (folder / "read.c").write_text(_READ_SOURCE)
-    subprocess.run([os.environ.get("CC", "cc"), *native.FLAGS, "-o", str(folder / "read.so"), str(folder / "read.c"),
-                    *native.LIBS], check=True)
-    fn = ctypes.CDLL(str(folder / "read.so")).read_rows
+    fn = _built({"read.c": _READ_SOURCE.encode()}, "read.c", "read_rows")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_uint64
