@@ -85,17 +85,19 @@ class GenerationService:
 
     async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelInfo,
                        *, text_field: str = "text", add_special_tokens: bool = True,
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
         """The token ids of ``text`` (with the model's special tokens unless ``add_special_tokens``
         is off) or ``messages`` (through the chat template, with its generation prompt unless
-        ``add_generation_prompt`` is off), computed in a thread. Text the model could not take whole
+        ``add_generation_prompt`` is off, or ending inside the last turn with
+        ``continue_final_message``), computed in a thread. Text the model could not take whole
         is refused by its size first: a token covers at most ``prompt_bytes_per_token`` bytes, so
         more than ``max_model_len`` times that many bytes is more than ``max_model_len`` tokens."""
         if messages is not None:
             self._check_size(sum(len(m["role"].encode()) + len(m["content"].encode()) for m in messages),
                              limits, "chat")
             return await asyncio.to_thread(self.tokenizer.encode_chat, messages,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message)
         text = text or ""
         self._check_size(len(text.encode()), limits, text_field)
         return await asyncio.to_thread(self.tokenizer.encode_text, text, add_special_tokens=add_special_tokens)
@@ -113,7 +115,8 @@ class GenerationService:
         if inp.prompt_token_ids is not None:
             ids, field = inp.prompt_token_ids, "prompt_token_ids"
         elif inp.messages is not None:
-            ids = await self.tokenize(None, inp.messages, limits)
+            ids = await self.tokenize(None, inp.messages, limits, add_generation_prompt=inp.add_generation_prompt,
+                                      continue_final_message=inp.continue_final_message)
         else:
             if not inp.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
@@ -208,7 +211,8 @@ class GenerationService:
         next_index = 0  # every record token below it was seen (repeats after failover are dropped)
         num_cached = 0
         while True:
-            chunk = GenerateChunk(request_id=request_id, first_index=max(next_index, start))
+            chunk = GenerateChunk(request_id=request_id, first_index=max(next_index, start),
+                                  num_prompt_tokens=len(prompt_ids))
             text: list[str] = []
             finish: FinishReason | None = None
             for data in await sub.get():

@@ -1,5 +1,5 @@
 """The gateway's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (whole
-or as server-sent events), ``/v1/models``, ``/health``, ``/tokenize``, ``/detokenize``, ``/metrics``.
+or as server-sent events), ``/v1/models``, ``/health`` (also as ``/ping``), ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``.
 
 A thin layer like the gRPC servicer: JSON → :mod:`gateway_service.openai_params` → the one
 :meth:`GenerationService.generate` path (admission, queue limit, detokenization, stop strings, abort
@@ -23,6 +23,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from importlib.metadata import version
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -174,6 +175,9 @@ class OpenAIHttpApi:
             Route("/tokenize", self._endpoint(self._tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self._detokenize), methods=["POST"]),
             Route("/health", self._endpoint(self._health, open_route=True), methods=["GET"]),
+            # vLLM's names for the same probe (``/ping``: SageMaker's) and its version route
+            Route("/ping", self._endpoint(self._health, open_route=True), methods=["GET", "POST"]),
+            Route("/version", self._endpoint(self._version, open_route=True), methods=["GET"]),
             Route("/metrics", self._endpoint(self._metrics, open_route=not guard_metrics), methods=["GET"]),
         ], exception_handlers={HTTPException: _http_error})
 
@@ -209,7 +213,10 @@ class OpenAIHttpApi:
         limits = await self._served(req.model)
         inputs = req.choice_inputs()
         if req.fill_max_tokens:  # tokenize once, and give the reply the room the prompt leaves
-            ids = await self._service.tokenize(None, inputs[0].messages, limits)
+            first = inputs[0]
+            ids = await self._service.tokenize(None, first.messages, limits,
+                                               add_generation_prompt=first.add_generation_prompt,
+                                               continue_final_message=first.continue_final_message)
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)
@@ -283,10 +290,9 @@ class OpenAIHttpApi:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: Request) -> Response:
-        model, text, messages, add_special, add_generation_prompt = parse_tokenize(await _json(request))
+        model, text, messages, options = parse_tokenize(await _json(request))
         limits = await self._served(model)
-        ids = await self._service.tokenize(text, messages, limits, text_field="prompt", add_special_tokens=add_special,
-                                           add_generation_prompt=add_generation_prompt)
+        ids = await self._service.tokenize(text, messages, limits, text_field="prompt", **options)
         return JSONResponse({"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids})
 
     async def _detokenize(self, request: Request) -> Response:
@@ -301,6 +307,9 @@ class OpenAIHttpApi:
         if self._service.draining:
             raise UnavailableError("the gateway is draining")
         return Response(status_code=200)
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse({"version": version("pagedserve")})
 
     async def _metrics(self, request: Request) -> Response:
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)

@@ -24,6 +24,9 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str = ""
     include_special_tokens: bool = False
+    # messages only: how the chat template renders them (PromptTokenizer.chat_text)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class GenerateChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stop_string: str = ""
+    num_prompt_tokens: int = 0  # on every chunk (the OpenAI API's per-chunk usage reads it)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,8 @@ _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_id
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
-CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"})
+CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                      "add_generation_prompt", "continue_final_message"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,9 @@ class OpenAIRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: one last chunk with usage, no choices
+    # stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk also carries its
+    # choice's usage so far
+    continuous_usage: bool = False
     include_stop_str: bool = False  # include_stop_str_in_output
     echo: bool = False  # completions: the prompt's text before the completion
     logprobs: bool = False  # report logprobs (their count is in the sampling params)
@@ -181,15 +185,18 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise InvalidArgumentError(f"stream_options.{key}", "is not a supported option")
-    if options.get("continuous_usage_stats"):
-        raise InvalidArgumentError("stream_options.continuous_usage_stats", "is not supported")
-    include_usage = options.get("include_usage") or False
-    if not isinstance(include_usage, bool):
-        raise InvalidArgumentError("stream_options.include_usage", "must be a boolean")
+    include_usage, continuous = (_stream_option(options, key) for key in ("include_usage", "continuous_usage_stats"))
     return OpenAIRequest(tuple(inputs), model=_get(body, "model", str, ""), n=n, stream=stream,
-                         include_usage=include_usage,
+                         include_usage=include_usage, continuous_usage=include_usage and continuous,
                          include_stop_str=_get(body, "include_stop_str_in_output", bool, False),
                          echo=echo, logprobs=logprobs)
+
+
+def _stream_option(options: dict, key: str) -> bool:
+    value = options.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgumentError(f"stream_options.{key}", "must be a boolean")
+    return bool(value)
 
 
 def parse_completion(body: Any) -> OpenAIRequest:
@@ -271,8 +278,15 @@ def parse_chat(body: Any) -> OpenAIRequest:
     placeholder = max(1, _get(body, "min_tokens", int, 0))  # replaced by chat_max_tokens
     params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
                        (top or 0) if logprobs else None)
-    inp = GenerateInput(params, messages=messages, **_common(body))
+    inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body))
     return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None)
+
+
+def _template_options(body: dict) -> dict[str, bool]:
+    """vLLM's chat-template switches: ``add_generation_prompt`` (default true) and
+    ``continue_final_message`` (default false: true continues the last, assistant, turn)."""
+    return dict(add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
+                continue_final_message=_get(body, "continue_final_message", bool, False))
 
 
 def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_len: int) -> GenerateInput:
@@ -283,21 +297,20 @@ def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_l
     return replace(inp, messages=None, prompt_token_ids=prompt_token_ids, sampling_params=params)
 
 
-def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, bool, bool]:
+def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, dict[str, bool]]:
     """``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (vLLM's shape), plus
-    ``model``, ``add_special_tokens`` (prompt; default true) and ``add_generation_prompt``
-    (messages; default true). Returns (model, prompt, messages, add_special_tokens,
-    add_generation_prompt)."""
+    ``model``, ``add_special_tokens`` (prompt; default true), ``add_generation_prompt`` and
+    ``continue_final_message`` (messages; as in chat). Returns (model, prompt, messages, the
+    options as keyword arguments of ``GenerationService.tokenize``)."""
     body = check_keys(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                       "add_generation_prompt"}))
+                                       "add_generation_prompt", "continue_final_message"}))
     model = _get(body, "model", str, "")
-    add_special = _get(body, "add_special_tokens", bool, True)
-    add_generation_prompt = _get(body, "add_generation_prompt", bool, True)
+    options = dict(add_special_tokens=_get(body, "add_special_tokens", bool, True), **_template_options(body))
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise InvalidArgumentError("prompt", "exactly one of prompt and messages is required")
     if body.get("messages") is not None:
-        return model, None, parse_messages(body["messages"]), add_special, add_generation_prompt
-    return model, _get(body, "prompt", str), None, add_special, add_generation_prompt
+        return model, None, parse_messages(body["messages"]), options
+    return model, _get(body, "prompt", str), None, options
 
 
 def parse_detokenize(body: Any) -> tuple[str, list[int]]:

@@ -84,10 +84,12 @@ class ChoiceState:
     usage: Usage | None = None
     started: bool = False  # a streamed chat choice sends role "assistant" in its first delta
     num_chars: int = 0  # characters of text taken so far (completions' logprobs text_offset)
+    num_prompt_tokens: int = 0
 
     def add(self, chunk: GenerateChunk, include_stop_str: bool) -> tuple[str, list[TokenLogprobs], list[int]]:
         """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
         text = chunk.text
+        self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = str(chunk.finish_reason)
             self.usage = chunk.usage
@@ -177,7 +179,11 @@ class Responder:
             body["text"] = text
         choice.started = True
         chunk = dict(self._head("chat.completion.chunk" if self.chat else "text_completion"), choices=[body])
-        if self.req.include_usage:
+        if self.req.continuous_usage:  # this choice's usage so far, as vLLM reports it
+            prompt, completion = choice.num_prompt_tokens, len(choice.token_ids)
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        elif self.req.include_usage:
             chunk["usage"] = None
         return chunk
 

@@ -42,14 +42,26 @@ class PromptTokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_text(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
-                  chat_template: str | None = None) -> str:
-        """A conversation through the chat template (with a generation prompt by default)."""
+                  continue_final_message: bool = False, chat_template: str | None = None) -> str:
+        """A conversation through the chat template (with a generation prompt by default).
+        ``continue_final_message``: the text ends inside the last turn, an assistant's, so the
+        model continues it (a prefilled reply; then ``add_generation_prompt`` must be off)."""
         if not messages:
             raise InvalidArgumentError("chat", "at least one message is required")
         if chat_template is None and getattr(self.hf, "chat_template", None) is None:
             raise InvalidArgumentError("chat", "the model has no chat template")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidArgumentError("continue_final_message", "cannot be combined with add_generation_prompt "
+                                                                     "(set add_generation_prompt to false)")
+            if messages[-1]["role"] != "assistant":
+                raise InvalidArgumentError("continue_final_message", "the last message must be the assistant's")
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               chat_template=chat_template)
+        except ValueError as exc:  # e.g. a template that does not render the final message's text as given
+            raise InvalidArgumentError("messages", f"the chat template cannot render them: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, str]], **template_options) -> list[int]:
         """The token ids of :meth:`chat_text` (the template already holds the special tokens)."""

@@ -199,20 +199,21 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of ``{"role", "content"}``)
-        or to a list of conversations, and generate one output for each."""
+        or to a list of conversations, and generate one output for each. ``continue_final_message``
+        (with ``add_generation_prompt=False``): continue the last, assistant, turn as written."""
         prompts = self._require_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts: list[str | None] = []
         token_lists: list[list[int]] = []
         for conversation in conversations:
-            text = prompts.chat_text(list(conversation), add_generation_prompt=add_generation_prompt,
-                                     chat_template=chat_template)
-            texts.append(text)
-            token_lists.append(prompts.encode_chat(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                   chat_template=chat_template))
+            options = dict(add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template=chat_template)
+            texts.append(prompts.chat_text(list(conversation), **options))
+            token_lists.append(prompts.encode_chat(list(conversation), **options))
         return self._run(texts, token_lists, sampling_params, use_tqdm)
 
     # -- engine loop ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import urllib.request
 import openai
 import pytest
 
+import pagedserve
 from pagedserve.aio_client import AsyncClient
 from servicekit.contract.sampling_params import SamplingParams
 
@@ -103,6 +104,31 @@ async def test_sync_client_chat_equals_llm_chat(stack, llm):
     assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
 
 
+async def test_continue_final_message_continues_the_assistant_turn_as_llm_chat_does(stack, llm, hf_tokenizer):
+    messages = [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "My favourite is"}]
+    expected = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        add_generation_prompt=False, continue_final_message=True)[0]
+    template = hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert expected.prompt == template and template.rstrip().endswith("My favourite is")
+    async with async_client(stack) as client:
+        got = await client.chat.completions.create(
+            model=stack.model, messages=messages, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
+        with pytest.raises(openai.BadRequestError) as both:  # vLLM refuses the pair too
+            await client.chat.completions.create(model=stack.model, messages=messages, max_tokens=2,
+                                                 extra_body={"continue_final_message": True})
+        with pytest.raises(openai.BadRequestError) as not_assistant:
+            await client.chat.completions.create(
+                model=stack.model, messages=messages[:1], max_tokens=2,
+                extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert got.choices[0].message.content == expected.text
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert both.value.body["param"] == not_assistant.value.body["param"] == "continue_final_message"
+    status, tokens = await asyncio.to_thread(http, stack, "POST", "/tokenize", {
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True})
+    assert status == 200 and tokens["tokens"] == list(expected.prompt_token_ids)
+
+
 async def test_n_samples_differ_and_a_seeded_call_reproduces(stack):
     async with async_client(stack) as client:
         async def sample():
@@ -126,6 +152,32 @@ async def test_include_usage_sends_one_last_chunk_with_exact_counts(stack, hf_to
     assert last.usage.prompt_tokens == len(hf_tokenizer(prompt)["input_ids"])
     assert last.usage.completion_tokens == 9
     assert last.usage.total_tokens == last.usage.prompt_tokens + 9
+
+
+async def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(stack, hf_tokenizer):
+    prompt = "Counting sheep: one, two"
+    num_prompt = len(hf_tokenizer(prompt)["input_ids"])
+    async with async_client(stack) as client:
+        stream = await client.completions.create(
+            model=stack.model, prompt=prompt, max_tokens=7, n=2, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, temperature=1.0, seed=5,
+            extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        plain = await client.completions.create(
+            model=stack.model, prompt=prompt, max_tokens=3, stream=True,
+            stream_options={"continuous_usage_stats": True}, **GREEDY)  # without include_usage: no usage
+        plain_chunks = [c async for c in plain]
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 14
+    seen = {0: 0, 1: 0}
+    for chunk in body:
+        (choice,) = chunk.choices
+        assert chunk.usage.prompt_tokens == num_prompt
+        assert chunk.usage.total_tokens == num_prompt + chunk.usage.completion_tokens
+        assert chunk.usage.completion_tokens >= seen[choice.index]  # counts of that choice, never back
+        seen[choice.index] = chunk.usage.completion_tokens
+    assert seen == {0: 7, 1: 7}
+    assert all(c.usage is None for c in plain_chunks) and "".join(c.choices[0].text for c in plain_chunks)
 
 
 async def test_a_repeated_prompt_reports_cached_tokens(stack):
@@ -251,6 +303,10 @@ async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
         models = await client.models.list()
     assert [m.id for m in models.data] == [stack.model]
     assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
+    assert (await asyncio.to_thread(http, stack, "GET", "/ping"))[0] == 200
+    assert (await asyncio.to_thread(http, stack, "POST", "/ping"))[0] == 200
+    status, version = await asyncio.to_thread(http, stack, "GET", "/version")
+    assert status == 200 and version == {"version": pagedserve.__version__}
     status, tokens = await asyncio.to_thread(http, stack, "POST", "/tokenize", {"prompt": "Hello world"})
     assert status == 200 and tokens["tokens"] == hf_tokenizer("Hello world")["input_ids"]
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == stack.worker.info.max_model_len

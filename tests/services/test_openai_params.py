@@ -88,6 +88,29 @@ def test_chat_without_max_tokens_gets_the_room_its_prompt_leaves():
     assert not given.fill_max_tokens and given.inputs[0].sampling_params.max_tokens == 4
 
 
+def test_continuous_usage_stats_need_include_usage_as_in_vllm():
+    def parsed(options: dict):
+        return parse_completion({"prompt": "a", "stream": True, "stream_options": options})
+    assert parsed({"include_usage": True, "continuous_usage_stats": True}).continuous_usage
+    assert not parsed({"continuous_usage_stats": True}).continuous_usage  # vLLM: usage only with include_usage
+    assert not parsed({"include_usage": True}).continuous_usage
+    with pytest.raises(InvalidArgumentError) as caught:
+        parsed({"include_usage": True, "continuous_usage_stats": "yes"})
+    assert caught.value.field == "stream_options.continuous_usage_stats"
+
+
+def test_chat_template_switches_reach_the_input():
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    (inp,) = parse_chat({"messages": messages, "add_generation_prompt": False,
+                         "continue_final_message": True}).inputs
+    assert not inp.add_generation_prompt and inp.continue_final_message
+    (default,) = parse_chat({"messages": messages}).inputs
+    assert default.add_generation_prompt and not default.continue_final_message
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": messages, "continue_final_message": 1})
+    assert caught.value.field == "continue_final_message"
+
+
 def test_a_developer_turn_is_a_system_turn():
     req = parse_chat({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
                       "max_tokens": 2})
