@@ -51,7 +51,9 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput
         prompt_token_ids=list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
         model=msg.model, request_id=msg.request_id,
         resume_from_index=msg.resume_from_index if msg.HasField("resume_from_index") else None,
-        priority=msg.priority, cache_salt=msg.cache_salt, include_special_tokens=msg.include_special_tokens)
+        priority=msg.priority, cache_salt=msg.cache_salt, include_special_tokens=msg.include_special_tokens,
+        add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
+        continue_final_message=msg.chat.continue_final_message)
 
 
 def chunk_to_pb(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:

@@ -10,6 +10,8 @@ Sampling arguments are SamplingParams' field names (``max_tokens``, ``temperatur
 ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``,
 ``logit_bias={token_id: bias}``) or a whole ``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types.
+A chat may continue a prefilled assistant turn as written: ``client.chat(messages,
+add_generation_prompt=False, continue_final_message=True)`` (vLLM's switches).
 
 API keys: ``AsyncClient(address, api_key="...")`` (default: the ``PAGEDSERVE_API_KEY`` environment
 variable) sends ``authorization: Bearer <key>`` on every call; a request belongs to the key that

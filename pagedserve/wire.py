@@ -34,8 +34,10 @@ _SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids", "logit
 def build_generate_request(prompt=None, *, messages=None, sampling_params: SamplingParams | None = None,
                            request_id: str = "", model: str = "", priority: int = 0, cache_salt: str = "",
                            include_special_tokens: bool = False, resume_from_index: int | None = None,
+                           add_generation_prompt: bool | None = None, continue_final_message: bool = False,
                            **sampling):
-    """A GenerateRequest from SDK arguments. ``prompt``: text or token ids; ``messages``: a chat.
+    """A GenerateRequest from SDK arguments. ``prompt``: text or token ids; ``messages``: a chat
+    (``add_generation_prompt``, default true, and ``continue_final_message`` as in vLLM's chat).
     ``sampling``: SamplingParams fields by name (validated by the gateway, not here)."""
     unknown = set(sampling) - _SAMPLING_KWARGS
     if unknown:
@@ -44,6 +46,12 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
                                          cache_salt=cache_salt, include_special_tokens=include_special_tokens)
     if messages is not None:
         _add_chat(msg.chat, messages)
+        if add_generation_prompt is not None:
+            msg.chat.add_generation_prompt = add_generation_prompt
+        msg.chat.continue_final_message = continue_final_message
+    elif add_generation_prompt is not None or continue_final_message:
+        raise InvalidArgumentError("continue_final_message" if continue_final_message else "add_generation_prompt",
+                                   "only applies to messages (a chat)")
     elif isinstance(prompt, str):
         msg.prompt = prompt
     elif prompt is not None:

@@ -13,6 +13,7 @@ import pytest
 
 import pagedserve
 from pagedserve.aio_client import AsyncClient
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 
 from .conftest import queue_limited_gateway
@@ -121,8 +122,16 @@ async def test_continue_final_message_continues_the_assistant_turn_as_llm_chat_d
             await client.chat.completions.create(
                 model=stack.model, messages=messages[:1], max_tokens=2,
                 extra_body={"add_generation_prompt": False, "continue_final_message": True})
-    assert got.choices[0].message.content == expected.text
-    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:  # the same over gRPC
+        over_grpc = await sdk.chat(messages, max_tokens=8, temperature=0, ignore_eos=True,
+                                   add_generation_prompt=False, continue_final_message=True)
+        default = await sdk.chat(messages[:1], max_tokens=2)  # unset: the generation prompt is added
+        with pytest.raises(InvalidArgumentError) as on_text:
+            await sdk.generate("plain text", continue_final_message=True)
+    assert got.choices[0].message.content == over_grpc.text == expected.text
+    assert got.usage.prompt_tokens == over_grpc.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert default.usage.prompt_tokens == len(llm.chat(messages[:1], SamplingParams(max_tokens=1))[0].prompt_token_ids)
+    assert on_text.value.field == "continue_final_message"
     assert both.value.body["param"] == not_assistant.value.body["param"] == "continue_final_message"
     status, tokens = await asyncio.to_thread(http, stack, "POST", "/tokenize", {
         "messages": messages, "add_generation_prompt": False, "continue_final_message": True})
