@@ -1,5 +1,6 @@
 """The gateway's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (whole
-or as server-sent events), ``/v1/models``, ``/health`` (also as ``/ping``), ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``.
+or as server-sent events), ``/v1/models``, ``/health`` (also as ``/ping``), ``/version``,
+``/tokenize``, ``/detokenize``, ``/metrics``.
 
 A thin layer like the gRPC servicer: JSON → :mod:`gateway_service.openai_params` → the one
 :meth:`GenerationService.generate` path (admission, queue limit, detokenization, stop strings, abort
