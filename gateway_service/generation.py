@@ -210,9 +210,9 @@ class GenerationService:
         start = inp.resume_from_index or 0  # tokens below it were delivered before: not sent again
         next_index = 0  # every record token below it was seen (repeats after failover are dropped)
         num_cached = 0
+        num_prompt = len(prompt_ids)
         while True:
-            chunk = GenerateChunk(request_id=request_id, first_index=max(next_index, start),
-                                  num_prompt_tokens=len(prompt_ids))
+            chunk = GenerateChunk(request_id=request_id, first_index=max(next_index, start), num_prompt_tokens=num_prompt)
             text: list[str] = []
             finish: FinishReason | None = None
             for data in await sub.get():
@@ -248,7 +248,7 @@ class GenerationService:
             chunk.text = "".join(text)
             if finish is not None:
                 chunk.finish_reason = finish
-                chunk.usage = Usage(len(prompt_ids), next_index, num_cached)
+                chunk.usage = Usage(num_prompt, next_index, num_cached)
                 log.info("request %s finished (%s): %d tokens", request_id, finish, next_index)
                 yield chunk
                 return
