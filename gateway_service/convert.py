@@ -52,6 +52,7 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput
         model=msg.model, request_id=msg.request_id,
         resume_from_index=msg.resume_from_index if msg.HasField("resume_from_index") else None,
         priority=msg.priority, cache_salt=msg.cache_salt, include_special_tokens=msg.include_special_tokens,
+        truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
         add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
         continue_final_message=msg.chat.continue_final_message)
 

@@ -54,6 +54,7 @@ from servicekit.contract.errors import (
     PagedServeError,
     UnavailableError,
 )
+from servicekit.contract.prompt import truncate_prompt
 from servicekit.serving import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,7 @@ class OpenAIHttpApi:
             ids = await self._service.tokenize(None, first.messages, limits,
                                                add_generation_prompt=first.add_generation_prompt,
                                                continue_final_message=first.continue_final_message)
+            ids = truncate_prompt(ids, first.truncate_prompt_tokens, limits.max_model_len)
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)

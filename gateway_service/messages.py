@@ -24,6 +24,7 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str = ""
     include_special_tokens: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     # messages only: how the chat template renders them (PromptTokenizer.chat_text)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -42,6 +42,7 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
 _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user", "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
+                "truncate_prompt_tokens",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -171,7 +172,8 @@ def _common(body: dict) -> dict[str, Any]:
     """The GenerateInput fields every endpoint shares (prompt and sampling params aside)."""
     return dict(model=_get(body, "model", str, ""), request_id=_get(body, "request_id", str, ""),
                 priority=_get(body, "priority", int, 0), cache_salt=_get(body, "cache_salt", str, ""),
-                include_special_tokens=not _get(body, "skip_special_tokens", bool, True))
+                include_special_tokens=not _get(body, "skip_special_tokens", bool, True),
+                truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int))
 
 
 def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: bool = False) -> OpenAIRequest:
@@ -222,6 +224,9 @@ def parse_completion(body: Any) -> OpenAIRequest:
     echo = _get(body, "echo", bool, False)
     if echo and logprobs is not None:
         raise InvalidArgumentError("echo", "echo with logprobs (prompt logprobs) is not supported")
+    if echo and body.get("truncate_prompt_tokens") is not None:
+        raise InvalidArgumentError("truncate_prompt_tokens", "cannot be combined with echo (the echoed prompt "
+                                                             "would not be the one generated from)")
     params = _sampling(body, _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs)
     common = _common(body)
     if len(prompts) > 1 and common["request_id"]:

@@ -35,9 +35,10 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
                            request_id: str = "", model: str = "", priority: int = 0, cache_salt: str = "",
                            include_special_tokens: bool = False, resume_from_index: int | None = None,
                            add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                           **sampling):
+                           truncate_prompt_tokens: int | None = None, **sampling):
     """A GenerateRequest from SDK arguments. ``prompt``: text or token ids; ``messages``: a chat
     (``add_generation_prompt``, default true, and ``continue_final_message`` as in vLLM's chat).
+    ``truncate_prompt_tokens``: keep the prompt's last N tokens (-1: the model's length).
     ``sampling``: SamplingParams fields by name (validated by the gateway, not here)."""
     unknown = set(sampling) - _SAMPLING_KWARGS
     if unknown:
@@ -58,6 +59,8 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
         msg.prompt_token_ids.ids.extend(int(t) for t in prompt)
     if resume_from_index is not None:
         msg.resume_from_index = resume_from_index
+    if truncate_prompt_tokens is not None:
+        msg.truncate_prompt_tokens = truncate_prompt_tokens
     if sampling_params is not None:
         sampling_params_to_pb(sampling_params, msg.sampling_params)
     sp = msg.sampling_params

@@ -23,6 +23,18 @@ def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) ->
     return None
 
 
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last ``keep`` tokens (vLLM's ``truncate_prompt_tokens``; -1: ``max_model_len``;
+    None: all of it); any other value is refused naming ``truncate_prompt_tokens``."""
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = max_model_len
+    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise InvalidArgumentError("truncate_prompt_tokens", f"must be -1 or at least 1, got {keep!r}")
+    return prompt_token_ids[-keep:]
+
+
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, max_model_len: int, vocab_size: int,
                  field: str = "prompt", logit_bias: Sequence[tuple[int, float]] = ()) -> None:
     """Raise InvalidArgumentError unless the prompt is non-empty, its ids are in the vocabulary

@@ -138,6 +138,28 @@ async def test_continue_final_message_continues_the_assistant_turn_as_llm_chat_d
     assert status == 200 and tokens["tokens"] == list(expected.prompt_token_ids)
 
 
+async def test_truncate_prompt_tokens_generates_from_the_last_n_tokens(stack, llm):
+    ids = list(range(1000, 1020))
+    expected = llm.generate([ids[-5:]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    messages = [{"role": "user", "content": "Tell me about the sea. " * 8}]
+    async with async_client(stack) as client:
+        got = await client.completions.create(model=stack.model, prompt=ids, max_tokens=6,
+                                              extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5},
+                                              temperature=0)
+        chat = await client.chat.completions.create(model=stack.model, messages=messages,
+                                                    extra_body={"truncate_prompt_tokens": 12})
+        with pytest.raises(openai.BadRequestError) as zero:
+            await client.completions.create(model=stack.model, prompt=ids, max_tokens=2,
+                                            extra_body={"truncate_prompt_tokens": 0})
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        over_grpc = await sdk.generate(ids, max_tokens=6, temperature=0, ignore_eos=True, truncate_prompt_tokens=5)
+    assert got.choices[0].text == over_grpc.text == expected.text
+    assert got.usage.prompt_tokens == over_grpc.usage.prompt_tokens == 5
+    # chat without max_tokens: the room is what the truncated prompt leaves
+    assert chat.usage.prompt_tokens == 12 and chat.choices[0].finish_reason in ("stop", "length")
+    assert zero.value.body["param"] == "truncate_prompt_tokens"
+
+
 async def test_n_samples_differ_and_a_seeded_call_reproduces(stack):
     async with async_client(stack) as client:
         async def sample():

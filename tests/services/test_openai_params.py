@@ -14,6 +14,7 @@ from gateway_service.openai_params import chat_max_tokens, parse_chat, parse_com
 from gateway_service.openai_responses import ChoiceState, Responder, TokenText
 from servicekit.contract.api import Usage
 from servicekit.contract.errors import InvalidArgumentError, UnavailableError
+from servicekit.contract.prompt import truncate_prompt
 from servicekit.contract.step import FinishReason
 
 
@@ -109,6 +110,22 @@ def test_chat_template_switches_reach_the_input():
     with pytest.raises(InvalidArgumentError) as caught:
         parse_chat({"messages": messages, "continue_final_message": 1})
     assert caught.value.field == "continue_final_message"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_n_and_refuses_the_rest():
+    (inp,) = parse_completion({"prompt": [5, 6, 7, 8], "truncate_prompt_tokens": 2}).inputs
+    assert inp.truncate_prompt_tokens == 2
+    assert truncate_prompt([5, 6, 7, 8], 2, 100) == [7, 8]
+    assert truncate_prompt([5, 6, 7, 8], -1, 3) == [6, 7, 8]  # -1: the model's length
+    assert truncate_prompt([5, 6, 7, 8], None, 3) == [5, 6, 7, 8]
+    assert truncate_prompt([5, 6], 10, 100) == [5, 6]
+    for bad in (0, -2, True):
+        with pytest.raises(InvalidArgumentError) as caught:
+            truncate_prompt([5, 6], bad, 100)
+        assert caught.value.field == "truncate_prompt_tokens"
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_completion({"prompt": "a", "echo": True, "truncate_prompt_tokens": 2})
+    assert caught.value.field == "truncate_prompt_tokens"
 
 
 def test_a_developer_turn_is_a_system_turn():
