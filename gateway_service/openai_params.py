@@ -42,7 +42,7 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
 _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user", "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
-                "truncate_prompt_tokens",
+                "truncate_prompt_tokens", "return_tokens_as_token_ids",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -66,6 +66,7 @@ class OpenAIRequest:
     include_stop_str: bool = False  # include_stop_str_in_output
     echo: bool = False  # completions: the prompt's text before the completion
     logprobs: bool = False  # report logprobs (their count is in the sampling params)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (see chat_max_tokens)
 
     def choice_inputs(self) -> list[GenerateInput]:
@@ -191,7 +192,8 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
     return OpenAIRequest(tuple(inputs), model=_get(body, "model", str, ""), n=n, stream=stream,
                          include_usage=include_usage, continuous_usage=include_usage and continuous,
                          include_stop_str=_get(body, "include_stop_str_in_output", bool, False),
-                         echo=echo, logprobs=logprobs)
+                         echo=echo, logprobs=logprobs,
+                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False))
 
 
 def _stream_option(options: dict, key: str) -> bool:

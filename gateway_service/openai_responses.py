@@ -9,6 +9,7 @@ deltas concatenate to exactly the non-streamed text.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,12 @@ class TokenText:
         return self._hf.decode([token_id])
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as vLLM's ``return_tokens_as_token_ids`` names it in logprobs: ``token_id:<id>``
+    (unambiguous where a token alone does not decode to text, e.g. part of a UTF-8 character)."""
+    return f"token_id:{token_id}"
+
+
 @dataclass(slots=True)
 class ChoiceState:
     """One choice of a call: what arrived so far. ``prefix`` (echo) is sent before anything else."""
@@ -106,19 +113,21 @@ class ChoiceState:
         return text, chunk.logprobs, chunk.token_ids
 
 
-def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, offset: int) -> dict:
-    """Completions' logprobs: tokens, their logprobs, top alternatives and text offsets."""
+def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, offset: int,
+                        token_name: Callable[[int], str] | None = None) -> dict:
+    """Completions' logprobs: tokens (by ``token_name``, default their text), their logprobs, top
+    alternatives and text offsets (always counted in the tokens' text)."""
+    name = token_name or token_text
     tokens, offsets, pos = [], [], offset
     for lp in logprobs:
-        piece = token_text(lp.token_id)
-        tokens.append(piece)
+        tokens.append(name(lp.token_id))
         offsets.append(pos)
-        pos += len(piece)
+        pos += len(token_text(lp.token_id))
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(t): p for t, p in lp.top} for lp in logprobs], "text_offset": offsets}
+            "top_logprobs": [{name(t): p for t, p in lp.top} for lp in logprobs], "text_offset": offsets}
 
 
-def chat_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText) -> dict:
+def chat_logprobs(logprobs: list[TokenLogprobs], token_text: Callable[[int], str]) -> dict:
     """Chat's logprobs: one entry per token with its top alternatives."""
     def entry(token_id: int, logprob: float) -> dict:
         piece = token_text(token_id)
@@ -137,6 +146,7 @@ class Responder:
         self.model = model
         self.created = int(time.time())
         self._token_text = token_text
+        self._token_name = token_id_text if req.tokens_as_ids else token_text  # how logprobs name a token
 
     def _head(self, obj: str) -> dict:
         return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}
@@ -145,8 +155,8 @@ class Responder:
         if not self.req.logprobs:
             return None
         if self.chat:
-            return chat_logprobs(logprobs, self._token_text)
-        return completion_logprobs(logprobs, self._token_text, offset)
+            return chat_logprobs(logprobs, self._token_name)
+        return completion_logprobs(logprobs, self._token_text, offset, self._token_name)
 
     def whole(self, choices: list[ChoiceState]) -> dict:
         """The non-streamed answer."""

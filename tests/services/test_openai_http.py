@@ -160,6 +160,26 @@ async def test_truncate_prompt_tokens_generates_from_the_last_n_tokens(stack, ll
     assert zero.value.body["param"] == "truncate_prompt_tokens"
 
 
+async def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(stack):
+    async with async_client(stack) as client:
+        plain = await client.completions.create(model=stack.model, prompt="Hello", max_tokens=4, logprobs=2, **GREEDY)
+        by_id = await client.completions.create(model=stack.model, prompt="Hello", max_tokens=4, logprobs=2,
+                                                temperature=0,
+                                                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        chat = await client.chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, logprobs=True,
+            top_logprobs=2, temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    assert by_id.choices[0].text == plain.choices[0].text  # the text itself is unchanged
+    lp = by_id.choices[0].logprobs
+    assert all(t.startswith("token_id:") and t[9:].isdigit() for t in lp.tokens) and len(lp.tokens) == 4
+    assert lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset == plain.choices[0].logprobs.text_offset  # offsets count the text, not the names
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp.top_logprobs)
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and bytes(entry.bytes).decode() == entry.token
+        assert all(t.token.startswith("token_id:") for t in entry.top_logprobs)
+
+
 async def test_n_samples_differ_and_a_seeded_call_reproduces(stack):
     async with async_client(stack) as client:
         async def sample():
