@@ -123,7 +123,8 @@ class GenerationService:
             ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt")
         ids = truncate_prompt(ids, inp.truncate_prompt_tokens, limits.max_model_len)
         check_prompt(ids, inp.sampling_params.max_tokens, max_model_len=limits.max_model_len,
-                     vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias)
+                     vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias,
+                     allowed_token_ids=inp.sampling_params.allowed_token_ids)
         return ids
 
     # -- Generate -------------------------------------------------------------------------------------

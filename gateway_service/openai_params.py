@@ -42,7 +42,7 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
 _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user", "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
-                "truncate_prompt_tokens", "return_tokens_as_token_ids",
+                "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -165,8 +165,11 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if kwargs.get("top_k") == 0:  # vLLM and HF treat 0 as "off", like -1
         kwargs["top_k"] = -1
+    allowed = _int_list(body, "allowed_token_ids")
+    if body.get("allowed_token_ids") is not None and not allowed:  # vLLM refuses an empty list too
+        raise InvalidArgumentError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
     return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
-                          logprobs=logprobs, logit_bias=_logit_bias(body), **kwargs)
+                          logprobs=logprobs, logit_bias=_logit_bias(body), allowed_token_ids=allowed, **kwargs)
 
 
 def _common(body: dict) -> dict[str, Any]:

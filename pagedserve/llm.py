@@ -243,7 +243,7 @@ class LLM:
         info = self.runner.info
         for ids, params in zip(token_lists, params_list):  # every prompt is checked before any runs
             check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                         logit_bias=params.logit_bias)
+                         logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids)
         pending: dict[str, _Pending] = {}
         order: list[str] = []
         try:

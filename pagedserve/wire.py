@@ -28,7 +28,7 @@ def _add_chat(chat, messages) -> None:
         chat.messages.add(role=m["role"], content=m["content"])
 
 
-_SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids", "logit_bias"}
+_SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids", "logit_bias", "allowed_token_ids"}
 
 
 def build_generate_request(prompt=None, *, messages=None, sampling_params: SamplingParams | None = None,
@@ -67,7 +67,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in ("stop", "stop_token_ids"):
+        if name in ("stop", "stop_token_ids", "allowed_token_ids"):
             field = getattr(sp, name)
             del field[:]
             field.extend([value] if isinstance(value, str) else value)

@@ -68,6 +68,9 @@ class InputBatch:
         # by row: (token ids int64, biases fp32) of its logit_bias inside the vocabulary, or None
         self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_reqs
         self.num_biased = 0  # rows with a logit_bias: a step looks for them only when some exist
+        # by row: the only ids it may sample (int64, inside the vocabulary), or None (every id)
+        self.allowed: list[np.ndarray | None] = [None] * max_num_reqs
+        self.num_restricted = 0  # rows with allowed ids: a step looks for them only when some exist
         self._free_rows = list(range(max_num_reqs))  # a heap: lowest free row first
 
     def __len__(self) -> int:
@@ -118,6 +121,9 @@ class InputBatch:
             self.logit_bias[row] = (np.array([t for t, _ in pairs], dtype=np.int64),
                                     np.array([bias for _, bias in pairs], dtype=np.float32))
             self.num_biased += 1
+        if p.allowed_token_ids:
+            self.allowed[row] = np.array([t for t in p.allowed_token_ids if t < self.vocab_size], dtype=np.int64)
+            self.num_restricted += 1
         return row
 
     def update(self, cached: CachedRequestData) -> None:
@@ -139,6 +145,9 @@ class InputBatch:
             if self.logit_bias[row] is not None:
                 self.logit_bias[row] = None
                 self.num_biased -= 1
+            if self.allowed[row] is not None:
+                self.allowed[row] = None
+                self.num_restricted -= 1
             heapq.heappush(self._free_rows, row)
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:

@@ -236,6 +236,13 @@ class ModelRunner:
                 meta.logit_bias = (_to(np.repeat(np.array([i for i, _ in biased], dtype=np.int64), counts), dev),
                                    _to(np.concatenate([ids for _, (ids, _) in biased]), dev),
                                    _to(np.concatenate([bias for _, (_, bias) in biased]), dev))
+        if b.num_restricted:
+            restricted = [(i, b.allowed[row]) for i, row in enumerate(rows.tolist()) if b.allowed[row] is not None]
+            if restricted:
+                counts = [len(ids) for _, ids in restricted]
+                meta.allowed_tokens = (_to(np.array([i for i, _ in restricted], dtype=np.int64), dev),
+                                       _to(np.repeat(np.arange(len(restricted), dtype=np.int64), counts), dev),
+                                       _to(np.concatenate([ids for _, ids in restricted]), dev))
         num_logprobs = b.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             meta.max_num_logprobs = int(num_logprobs.max())

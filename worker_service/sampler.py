@@ -8,7 +8,8 @@ the whole vocabulary at once. No generator state is carried between steps, so a 
 same tokens alone, inside any batch, and after a replay on another worker.
 
 Order of processing (Hugging Face's): the request's logit bias (OpenAI's), then penalties on the
-raw logits, then temperature, then top-k, top-p (on the top-k renormalised distribution), then
+raw logits, then the min_tokens ban and the allowed ids (vLLM's ``allowed_token_ids``: every other
+id to -inf), then temperature, then top-k, top-p (on the top-k renormalised distribution), then
 min-p. Greedy rows (``temperature == 0``) take an exact ``argmax`` of the biased, penalised
 logits. Logprobs are those of the raw model distribution (``log_softmax`` of the logits before any
 processing), as vLLM reports them.
@@ -70,6 +71,8 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None  # [N, Lo] int64, padded with vocab_size
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): -inf (min_tokens)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, fp32 biases)
+    # rows that may sample only some ids: (the rows [R], index into them per allowed id, the ids)
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # top-n logprobs to return for every row; None = none
 
     @property
@@ -101,6 +104,8 @@ class Sampler:
         logits = apply_penalties(logits, meta)
         if meta.banned_tokens is not None:
             logits = logits.index_put(meta.banned_tokens, logits.new_tensor(float("-inf")))
+        if meta.allowed_tokens is not None:
+            logits = mask_to_allowed(logits, *meta.allowed_tokens)
         token_ids = logits.argmax(dim=-1)  # [N]; exact greedy (first index on ties, as torch/HF)
         if not meta.all_greedy:
             token_ids = _sample_random_rows(logits, meta, token_ids)
@@ -108,6 +113,17 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             out.logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
         return out
+
+
+def mask_to_allowed(logits: torch.Tensor, rows: torch.Tensor, which: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every id outside a restricted row's allowed ids at -inf (a new tensor).
+    ``rows`` [R]: the restricted rows; ``which`` / ``ids``: for each allowed id, its row's index in
+    ``rows`` and the id."""
+    keep = torch.zeros((rows.shape[0], logits.shape[1]), dtype=torch.bool, device=logits.device)
+    keep[which, ids] = True
+    out = logits.clone()
+    out[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    return out
 
 
 def _sample_random_rows(logits: torch.Tensor, meta: SamplingMetadata, token_ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 128
 SEED_RANGE = 2**63
 MAX_LOGIT_BIAS_IDS = 300  # OpenAI's own bound
+# allowed_token_ids: the worker masks every other id of the request's row each step (one pass over
+# the vocabulary, only for rows that have the list); the bound keeps a request's record small.
+MAX_ALLOWED_TOKEN_IDS = 16384
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's
 
 
@@ -44,12 +47,16 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (0..MAX_LOGPROBS), None = off
     # (token id, bias) pairs added to the logits before sampling, ascending by id (a dict is taken too)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # sample only these ids (vLLM's allowed_token_ids), ascending and unique; () = every id
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        allowed = _token_id_set("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
+        object.__setattr__(self, "allowed_token_ids", allowed)
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
@@ -131,6 +138,19 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         _check_float("logit_bias", bias, lo=-LOGIT_BIAS_RANGE, hi=LOGIT_BIAS_RANGE)
         out[token_id] = float(bias)
     return tuple(sorted(out.items()))
+
+
+def _token_id_set(name: str, value: object, limit: int) -> tuple[int, ...]:
+    """Token ids as an ascending tuple without repeats (at most ``limit`` given)."""
+    try:
+        ids = list(value)
+    except TypeError:
+        raise InvalidArgumentError(name, "must be a list of token ids") from None
+    if len(ids) > limit:  # before the per-item loop: bound the work too
+        raise InvalidArgumentError(name, f"at most {limit} ids, got {len(ids)}")
+    for t in ids:
+        _check_int(name, t, minimum=0)
+    return tuple(sorted(set(ids)))
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

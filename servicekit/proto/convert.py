@@ -30,7 +30,8 @@ def sampling_params_from_pb(msg: sampling_pb2.SamplingParams, *, trusted: bool =
     kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
     make = SamplingParams.trusted if trusted else SamplingParams
     return make(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                logit_bias=tuple(sorted(msg.logit_bias.items())), **kwargs)
+                logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
+                **kwargs)
 
 
 def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None
@@ -43,6 +44,7 @@ def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingPara
     msg.stop.extend(params.stop)
     msg.stop_token_ids.extend(params.stop_token_ids)
     msg.logit_bias.update(params.logit_bias)
+    msg.allowed_token_ids.extend(params.allowed_token_ids)
     return msg
 
 

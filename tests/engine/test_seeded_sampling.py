@@ -66,6 +66,19 @@ def test_unseeded_requests_follow_the_engine_seed(tiny_llama, prompts):
     assert run(6) != first
 
 
+def test_allowed_token_ids_restrict_sampling_and_stay_batch_invariant(tiny_llama, prompts):
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True)
+    allowed = (3, 42, 99, 500)
+    restricted = SamplingParams(max_tokens=24, temperature=1.0, seed=6, ignore_eos=True, allowed_token_ids=allowed)
+    alone = llm.generate([prompts[3]], restricted)[0].token_ids
+    assert set(alone) <= set(allowed) and len(set(alone)) > 1
+    together = llm.generate(prompts[3:] + prompts[:3], [restricted, SEEDED, *OTHERS[:8]])
+    assert together[0].token_ids == alone  # the others in the batch change nothing
+    assert not set(together[1].token_ids) <= set(allowed)  # and the mask stays on its own row
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=[500, 99])
+    assert set(llm.generate([prompts[3]], greedy)[0].token_ids) <= {99, 500}
+
+
 def test_logit_bias_bans_and_forces_tokens_and_stays_batch_invariant(tiny_llama, prompts):
     llm = LLM(tiny_llama.path, skip_tokenizer_init=True)
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -164,6 +164,42 @@ async def test_a_request_id_in_use_is_refused_and_an_unknown_one_cannot_be_resum
             await client.generate("who?", max_tokens=2, request_id="never-seen", resume_from_index=0)
 
 
+async def test_allowed_token_ids_through_the_sdk_and_http(stack, llm):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from pagedserve.errors import InvalidArgumentError
+
+    allowed = [11, 42, 300, 777]
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True, allowed_token_ids=allowed)
+    expected = llm.generate(["Choose"], params)[0]
+    assert set(expected.token_ids) <= set(allowed)
+    async with AsyncClient(stack.gateway_address, timeout=60) as client:
+        got = await client.generate("Choose", max_tokens=6, temperature=0.9, seed=4, ignore_eos=True,
+                                    allowed_token_ids=allowed)
+        with pytest.raises(InvalidArgumentError) as outside:
+            await client.generate("Choose", max_tokens=2, allowed_token_ids=[10**8])
+    assert list(got.token_ids) == expected.token_ids
+    assert outside.value.field == "allowed_token_ids"
+
+    def http(body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(stack.http_url + "/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+    status, reply = await asyncio.to_thread(http, {
+        "prompt": "Choose", "max_tokens": 6, "temperature": 0.9, "seed": 4, "ignore_eos": True,
+        "allowed_token_ids": allowed, "logprobs": 0, "return_tokens_as_token_ids": True})
+    assert status == 200
+    assert [int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]] == expected.token_ids
+    status, reply = await asyncio.to_thread(http, {"prompt": "Choose", "max_tokens": 2, "allowed_token_ids": []})
+    assert status == 400 and reply["error"]["param"] == "allowed_token_ids"
+
+
 async def test_logit_bias_through_the_sdk(stack, llm):
     from pagedserve.errors import InvalidArgumentError
 

@@ -9,7 +9,7 @@ import pytest
 from gateway_service.convert import MAX_CHAT_MESSAGES
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import InvalidArgumentError
-from servicekit.contract.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from servicekit.contract.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 
@@ -18,6 +18,7 @@ TOO_LONG = [
     # The reported attack: a huge list (here 2 million ids, ~8 MB on the wire) is refused outright.
     ("stop_token_ids", dict(prompt="hello", min_tokens=2, stop_token_ids=[7] * 2_000_000)),
     ("stop", dict(prompt="hello", stop=["x"] * (MAX_STOP_STRINGS + 1))),
+    ("allowed_token_ids", dict(prompt="hello", allowed_token_ids=[5] * (MAX_ALLOWED_TOKEN_IDS + 1))),
     ("messages", dict(messages=[{"role": "user", "content": "hi"}] * (MAX_CHAT_MESSAGES + 1))),
 ]
 

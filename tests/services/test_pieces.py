@@ -49,8 +49,17 @@ def test_stop_matcher_finds_the_earliest_stop_and_drops_the_rest():
 def test_sampling_params_round_trip_keeps_defaults_and_values():
     for params in (SamplingParams(), SamplingParams(max_tokens=7, temperature=0.0, top_k=5, top_p=0.5, min_p=0.1,
                                                     seed=2**63 - 1, stop=("a", "b"), stop_token_ids=(3,),
-                                                    ignore_eos=True, logprobs=2, min_tokens=1)):
+                                                    ignore_eos=True, logprobs=2, min_tokens=1,
+                                                    allowed_token_ids=(9, 2, 9, 40))):
         assert shared_convert.sampling_params_from_pb(shared_convert.sampling_params_to_pb(params)) == params
+
+
+def test_allowed_token_ids_are_kept_sorted_unique_and_checked():
+    assert SamplingParams(allowed_token_ids=[9, 2, 9]).allowed_token_ids == (2, 9)
+    for bad in ([-1], ["a"], 5):
+        with pytest.raises(InvalidArgumentError) as info:
+            SamplingParams(allowed_token_ids=bad)
+        assert info.value.field == "allowed_token_ids"
 
 
 def test_bad_sampling_field_on_the_wire_raises_naming_it():
