@@ -36,7 +36,7 @@ from gateway_service.text import OutputText, PromptTokenizer
 from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.api import ModelInfo, Usage
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
-from servicekit.contract.prompt import check_prompt, truncate_prompt
+from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, truncate_prompt
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason
 from servicekit.redis_keys import RedisKeys
@@ -125,6 +125,7 @@ class GenerationService:
         check_prompt(ids, inp.sampling_params.max_tokens, max_model_len=limits.max_model_len,
                      vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias,
                      allowed_token_ids=inp.sampling_params.allowed_token_ids)
+        check_allowed_token_ids(inp.sampling_params, limits.eos_token_ids)
         return ids
 
     # -- Generate -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.prompt import check_prompt
+from servicekit.contract.prompt import check_allowed_token_ids, check_prompt
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import TokenLogprobs
 
@@ -244,6 +244,7 @@ class LLM:
         for ids, params in zip(token_lists, params_list):  # every prompt is checked before any runs
             check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                          logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids)
+            check_allowed_token_ids(params, info.eos_token_ids)
         pending: dict[str, _Pending] = {}
         order: list[str] = []
         try:

@@ -7,8 +7,12 @@ scheduler's routing (which worker can take a request); inner services trust what
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from servicekit.contract.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from servicekit.contract.sampling_params import SamplingParams
 
 
 def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> InvalidArgumentError | None:
@@ -33,6 +37,17 @@ def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len
     elif isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise InvalidArgumentError("truncate_prompt_tokens", f"must be -1 or at least 1, got {keep!r}")
     return prompt_token_ids[-keep:]
+
+
+def check_allowed_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+    """Refuse allowed ids that leave nothing to sample while ``min_tokens`` applies: every one a stop
+    token id or (unless ``ignore_eos``) an EOS id, which min_tokens bans."""
+    if not params.allowed_token_ids or not params.min_tokens:
+        return
+    ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if set(params.allowed_token_ids) <= ending:
+        raise InvalidArgumentError("allowed_token_ids", "every allowed id ends the request (a stop token id or "
+                                                        "EOS), which min_tokens forbids: nothing could be sampled")
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, max_model_len: int, vocab_size: int,

@@ -180,6 +180,10 @@ async def test_allowed_token_ids_through_the_sdk_and_http(stack, llm):
                                     allowed_token_ids=allowed)
         with pytest.raises(InvalidArgumentError) as outside:
             await client.generate("Choose", max_tokens=2, allowed_token_ids=[10**8])
+        eos = (await client.model_info()).eos_token_ids
+        with pytest.raises(InvalidArgumentError) as only_eos:
+            await client.generate("Choose", max_tokens=4, min_tokens=2, allowed_token_ids=list(eos))
+    assert only_eos.value.field == "allowed_token_ids"
     assert list(got.token_ids) == expected.token_ids
     assert outside.value.field == "allowed_token_ids"
 

@@ -55,7 +55,16 @@ def test_sampling_params_round_trip_keeps_defaults_and_values():
 
 
 def test_allowed_token_ids_are_kept_sorted_unique_and_checked():
+    from servicekit.contract.prompt import check_allowed_token_ids
+
     assert SamplingParams(allowed_token_ids=[9, 2, 9]).allowed_token_ids == (2, 9)
+    # min_tokens bans stop ids and EOS: allowed ids all among them would leave nothing to sample
+    with pytest.raises(InvalidArgumentError) as info:
+        check_allowed_token_ids(SamplingParams(min_tokens=2, allowed_token_ids=[2, 7], stop_token_ids=[7]), (2,))
+    assert info.value.field == "allowed_token_ids"
+    check_allowed_token_ids(SamplingParams(min_tokens=2, allowed_token_ids=[2, 8], stop_token_ids=[7]), (2,))
+    check_allowed_token_ids(SamplingParams(min_tokens=2, allowed_token_ids=[2], ignore_eos=True), (2,))
+    check_allowed_token_ids(SamplingParams(allowed_token_ids=[2]), (2,))  # no min_tokens: EOS may end it
     for bad in ([-1], ["a"], 5):
         with pytest.raises(InvalidArgumentError) as info:
             SamplingParams(allowed_token_ids=bad)
