@@ -55,7 +55,7 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, max_model_
                  allowed_token_ids: Sequence[int] = ()) -> None:
     """Raise InvalidArgumentError unless the prompt is non-empty, its ids are in the vocabulary
     (``field`` names where they came from), it passes the length rule and the ids of
-    ``logit_bias`` (SamplingParams', ascending) are in the vocabulary too."""
+    ``logit_bias`` and ``allowed_token_ids`` (SamplingParams', ascending) are in the vocabulary too."""
     if logit_bias and logit_bias[-1][0] >= vocab_size:
         raise InvalidArgumentError("logit_bias", f"token ids must be in [0, {vocab_size}), got {logit_bias[-1][0]}")
     if allowed_token_ids and allowed_token_ids[-1] >= vocab_size:

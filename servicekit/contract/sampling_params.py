@@ -78,11 +78,7 @@ class SamplingParams:
                 raise InvalidArgumentError("stop", "stop strings must be non-empty strings")
             if len(s) > MAX_STOP_STRING_LEN:
                 raise InvalidArgumentError("stop", f"a stop string is longer than {MAX_STOP_STRING_LEN} characters")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before the per-item loop: bound the work too
-            raise InvalidArgumentError(
-                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, minimum=0)
+        _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError("ignore_eos", "must be a bool")
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
@@ -146,11 +142,15 @@ def _token_id_set(name: str, value: object, limit: int) -> tuple[int, ...]:
         ids = list(value)
     except TypeError:
         raise InvalidArgumentError(name, "must be a list of token ids") from None
+    _check_token_ids(name, ids, limit)
+    return tuple(sorted(set(ids)))
+
+
+def _check_token_ids(name: str, ids: tuple[int, ...] | list[int], limit: int) -> None:
     if len(ids) > limit:  # before the per-item loop: bound the work too
         raise InvalidArgumentError(name, f"at most {limit} ids, got {len(ids)}")
     for t in ids:
         _check_int(name, t, minimum=0)
-    return tuple(sorted(set(ids)))
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
