@@ -11,8 +11,9 @@ section quotes.
 - ``prefill``: one sequence's prefill chunk (64, 288, 512 and 2,048 new tokens, no cached context,
   head-major bf16 and fp32 caches on shuffled blocks) through the C kernel, a row per token
   (``kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``kernels.cpu._prefill``).
-- ``fused``: ``kernels.cpu_fused`` (RMSNorm after its residual add, rotary) against the torch code
-  of ``worker_service.models.layers`` at 32, 512 and 2,048 tokens.
+- ``fused``: ``kernels.cpu_fused`` (RMSNorm after its residual add, rotary, SiLU(gate) * up of the
+  fused gate/up output) against the torch code of ``worker_service.models`` at 32, 512 and 2,048
+  tokens.
 
 Timings are medians of alternating rounds (this host's speed drifts between runs: compare within one).
 
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,6 +45,7 @@ from worker_service.cpu_memory import tune_malloc, zeros
 from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, BLOCK = 9, 3, 64, 576, 16
+INTERMEDIATE = 1536
 
 
 def _timed(fn, repeat: int) -> float:
@@ -218,6 +221,8 @@ def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.G
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(torch.bfloat16)
     qk = qkv[:, : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM)
     cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]
+    gate_up = (torch.randn(tokens, 2 * INTERMEDIATE, generator=gen) * 3).to(torch.bfloat16)
+    gate, up = gate_up.split(INTERMEDIATE, dim=-1)  # the model's views of the GEMM output
 
     def torch_norm(h: torch.Tensor) -> torch.Tensor:  # RMSNorm's torch code, as the model ran it before
         h = h.float()
@@ -229,6 +234,8 @@ def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.G
         "(the clone above)": lambda: x.clone(),
         "rotary, torch": lambda: apply_rope(qk, cos, sin),
         "rotary, fused": lambda: cpu_fused.rope_(qk, positions, rope.cos, rope.sin),
+        "SiLU*up, torch": lambda: F.silu(gate) * up,
+        "SiLU*up, fused": lambda: cpu_fused.silu_mul(gate_up),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):

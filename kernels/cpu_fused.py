@@ -25,6 +25,7 @@ _P, _I64, _I32, _F32 = native.PTR, native.I64, native.INT, native.FLOAT
 _SIGNATURES = {
     "rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32],
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32],
+    "silu_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64, _I32],
 }
 
 
@@ -83,3 +84,15 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     _entry("rope_bf16")(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2],
                          pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0), torch.get_num_threads())
     return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` of a fused gate/up output ``[T, 2I]`` (bf16 rows: gate then up) as a
+    new bf16 ``[T, I]``, in one pass (``F.silu`` on the strided half alone costs 2.3x a contiguous one)."""
+    if not (_rows(gate_up) and gate_up.dtype == torch.bfloat16 and gate_up.shape[1] % 2 == 0):
+        raise ValueError(f"silu_mul: gate_up must be bf16 rows [T, 2I] (got {gate_up.dtype} {tuple(gate_up.shape)})")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=torch.bfloat16)
+    _entry("silu_mul_bf16")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
+                            torch.get_num_threads())
+    return out

@@ -4,15 +4,17 @@
  * The twins of worker_service.models.layers' torch code in a bf16 model, computed the same way
  * (fp32 arithmetic, each bf16 rounding where torch rounds), so results agree with it up to fp32
  * summation order (and FMA contraction): RMSNorm (optionally after adding a bf16 sub-layer output to
- * the fp32 residual stream, in place) and rotary embedding (in place, on the q and k heads of a
- * fused QKV output). (SiLU(gate) * up measured no faster fused than torch's two ops: it stays in
- * torch.) Rows are spread over OpenMP threads when there are enough of them to pay for it. Plain
- * C99 + OpenMP: GCC vectorises the inner loops (-O3 -march=native). Built by kernels/native.py.
+ * the fp32 residual stream, in place), rotary embedding (in place, on the q and k heads of a fused
+ * QKV output) and SiLU(gate) * up of a fused gate/up output. Rows are spread over OpenMP threads
+ * when there are enough of them to pay for it. Plain C99 + OpenMP: GCC vectorises the inner loops
+ * (-O3 -march=native); SiLU's exp has an AVX-512 loop where the CPU has it (avx512_math.h).
+ * Built by kernels/native.py.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "avx512_math.h"
 #include "bf16.h"
 
 /* Elements per call below which one thread does the work (a parallel region costs microseconds). */
@@ -59,6 +61,34 @@ void rope_bf16(bf16_t *x, int64_t tok_stride, int64_t head_stride, int64_t rows,
                 v[i] = f32_to_bf16(a * c[i] + -b * s[i]);
                 v[i + half] = f32_to_bf16(b * c[i + half] + a * s[i + half]);
             }
+        }
+    }
+}
+
+/* out[t, i] = bf16(bf16(silu(g)) * u) with g = x[t, i], u = x[t, inter + i] (a fused gate/up GEMM's
+ * output row: gate then up), silu(g) = g / (1 + e^-g) in fp32, rounded where torch rounds
+ * (`F.silu(gate) * up` on bf16 tensors); `rows` rows of `inter` outputs. One pass where torch takes
+ * two over the strided halves (2.1x faster for a 2,048-token chunk, 1.7x for 64 tokens). */
+void silu_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t o_stride, int64_t rows,
+                   int64_t inter, int num_threads)
+{
+    #pragma omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < rows; t++) {
+        const bf16_t *g = x + t * x_stride, *u = g + inter;
+        bf16_t *o = out + t * o_stride;
+        int64_t i = 0;
+#ifdef HAVE_AVX512
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 gv = widen16_bf16(g + i);
+            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 silu_bf16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16_bf16(silu)), 16));
+            _mm256_storeu_si256((__m256i *)(o + i), narrow16_bf16(_mm512_mul_ps(silu_bf16, widen16_bf16(u + i))));
+        }
+#endif
+        for (; i < inter; i++) {
+            const float a = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(a / (1.f + expf(-a)))) * bf16_to_f32(u[i]));
         }
     }
 }

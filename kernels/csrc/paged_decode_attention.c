@@ -111,27 +111,8 @@ static inline __attribute__((always_inline)) void item_scalar(const struct args 
     store_rows(a, s, h, acc, denom, HD, BF16);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-
-/* e^x for 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2/2), e^r by its degree-6 Taylor polynomial
- * (relative error < 2e-7 on that range), scaled by 2^n. Inputs below -87.3 give ~0, never NaN. */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
+#include "avx512_math.h"
+#ifdef HAVE_AVX512
 
 /* 16 values of a row of fp32 or bf16 (widened: a bf16 is the top half of an fp32). */
 static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t i, const int BF16) {

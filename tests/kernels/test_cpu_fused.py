@@ -8,6 +8,7 @@ import torch
 
 from kernels import cpu_fused, native
 from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
+from worker_service.models.llama import MLP
 
 needs_native = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler on this machine")
 
@@ -84,6 +85,40 @@ def test_rope_rotates_q_and_k_heads_of_a_fused_qkv_in_place(tokens):
     assert torch.equal(qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:], v_before)  # V untouched
 
 
+def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 200 elements: the multi-threaded path
+@pytest.mark.parametrize("inter", [200, 17, 1536])  # whole 16-lane vectors, a tail only, SmolLM2's width
+def test_silu_mul_matches_the_torch_code(rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([float("inf"), -float("inf"), 90.0, -90.0])  # saturated and vanishing gates
+    expected = torch_silu_mul(gate_up)
+    got = cpu_fused.silu_mul(gate_up)
+    nan = expected.isnan()  # silu(-inf) = -inf / inf, in torch too
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    expected, got = expected.masked_fill(nan, 0), got.masked_fill(nan, 0)
+    assert_nearly_equal(expected, got)
+    print(f"{rows}x{inter}: {(got != expected).sum().item()} of {got.numel()} differ")  # 0 here (bit-equal)
+
+
+@needs_native
+@pytest.mark.parametrize("extra", [(), ("-mno-avx512bf16",), ("-mno-avx512f",)],
+                         ids=["this-build", "avx512-without-bf16", "plain-c-build"])
+def test_silu_mul_plain_c_loop_matches_too(monkeypatch, tmp_path, extra):
+    """The AVX-512 loop (rounding by the AVX512-BF16 instruction or without it) and the plain C loop
+    (a CPU without AVX-512) agree with torch."""
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + extra)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
+    gate_up = (torch.randn(33, 2 * 100) * 3).to(torch.bfloat16)
+    assert_nearly_equal(torch_silu_mul(gate_up), cpu_fused.silu_mul(gate_up))
+    assert [p.name for p in tmp_path.iterdir()][0].startswith("cpu_fused_ops-")  # built with `extra`
+
+
 @needs_native
 def test_bad_arguments_are_refused_by_name():
     norm = bf16_norm()
@@ -99,6 +134,10 @@ def test_bad_arguments_are_refused_by_name():
         cpu_fused.rope_(x, torch.tensor([0, 8]), table, table)
     with pytest.raises(ValueError, match="rope_: x must be bf16"):
         cpu_fused.rope_(x.float(), torch.tensor([0, 1]), table, table)
+    with pytest.raises(ValueError, match=r"silu_mul: gate_up must be bf16 rows \[T, 2I\]"):
+        cpu_fused.silu_mul(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="silu_mul"):
+        cpu_fused.silu_mul(torch.randn(2, 7).to(torch.bfloat16))  # no even split into gate and up
 
 
 def test_only_bf16_cpu_tensors_outside_autograd_take_the_fused_path(monkeypatch):
@@ -137,21 +176,28 @@ def test_without_the_library_the_model_layers_use_torch(monkeypatch):
 @needs_native
 def test_the_model_layers_take_the_fused_path_for_bf16(monkeypatch):
     calls = []
-    for name in ("rms_norm", "rope_"):
+    for name in ("rms_norm", "rope_", "silu_mul"):
         original = getattr(cpu_fused, name)
         monkeypatch.setattr(cpu_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     norm = bf16_norm(4)
     rope = RotaryEmbedding(rope_inv_freq(type("Cfg", (), {"rope_theta": 10000.0})(), HEAD_DIM), 64)
     x, y = torch.randn(3, D), torch.randn(3, D).to(torch.bfloat16)
 
+    mlp = MLP(type("Cfg", (), {"hidden_size": D, "intermediate_size": 40})())
+    h = torch.randn(3, D)
+
     with torch.no_grad():
         norm(x)
         norm.add_and_norm(x, y)
         rope(torch.tensor([1, 2, 3]))(torch.randn(3, HEADS, HEAD_DIM).to(torch.bfloat16))
+        fused = mlp.to(torch.bfloat16)(h.to(torch.bfloat16))
+        expected = mlp.down(torch_silu_mul(mlp.gate_up(h.to(torch.bfloat16))))
         norm.float()(x)  # an fp32 model: torch
         rope(torch.tensor([1, 2, 3]))(torch.randn(3, HEADS, HEAD_DIM))
+        mlp.float()(h)
 
-    assert calls == ["rms_norm", "rms_norm", "rope_"]
+    assert calls == ["rms_norm", "rms_norm", "rope_", "silu_mul"]
+    assert_nearly_equal(expected, fused)
 
 
 def test_positions_past_the_rotary_tables_are_refused():
