@@ -27,9 +27,13 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* 16 bf16 values widened to fp32 (a bf16 is the top half of an fp32). */
+/* 16 bf16 values (in a register, or loaded from p) widened to fp32 (a bf16 is the top half of an fp32). */
+static inline __attribute__((always_inline)) __m512 widen_bf16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 static inline __attribute__((always_inline)) __m512 widen16_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return widen_bf16(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* 16 fp32 values rounded to bf16 as f32_to_bf16 does (nearest, ties to even; NaN stays NaN). With

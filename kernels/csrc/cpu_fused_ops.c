@@ -82,7 +82,7 @@ void silu_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t o_str
         for (; i + 16 <= inter; i += 16) {
             const __m512 gv = widen16_bf16(g + i);
             const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            const __m512 silu_bf16 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16_bf16(silu)), 16));
+            const __m512 silu_bf16 = widen_bf16(narrow16_bf16(silu));  /* rounded as torch rounds F.silu's output */
             _mm256_storeu_si256((__m256i *)(o + i), narrow16_bf16(_mm512_mul_ps(silu_bf16, widen16_bf16(u + i))));
         }
 #endif
