@@ -110,10 +110,11 @@ class GenerationService:
                        f"{max_bytes} bytes ({self._prompt_bytes_per_token} bytes per token, "
                        "--prompt-bytes-per-token)")
 
-    async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
-        field = "prompt"
+    async def prompt_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
+        """The token ids ``inp`` asks to continue: given, or its text or chat tokenized (the chat
+        template's switches applied), then truncated as asked; not checked yet."""
         if inp.prompt_token_ids is not None:
-            ids, field = inp.prompt_token_ids, "prompt_token_ids"
+            ids = inp.prompt_token_ids
         elif inp.messages is not None:
             ids = await self.tokenize(None, inp.messages, limits, add_generation_prompt=inp.add_generation_prompt,
                                       continue_final_message=inp.continue_final_message)
@@ -121,7 +122,11 @@ class GenerationService:
             if not inp.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
             ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt")
-        ids = truncate_prompt(ids, inp.truncate_prompt_tokens, limits.max_model_len)
+        return truncate_prompt(ids, inp.truncate_prompt_tokens, limits.max_model_len)
+
+    async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
+        ids = await self.prompt_ids(inp, limits)
+        field = "prompt_token_ids" if inp.prompt_token_ids is not None else "prompt"
         check_prompt(ids, inp.sampling_params.max_tokens, max_model_len=limits.max_model_len,
                      vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias,
                      allowed_token_ids=inp.sampling_params.allowed_token_ids)

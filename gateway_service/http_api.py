@@ -54,7 +54,6 @@ from servicekit.contract.errors import (
     PagedServeError,
     UnavailableError,
 )
-from servicekit.contract.prompt import truncate_prompt
 from servicekit.serving import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -215,11 +214,7 @@ class OpenAIHttpApi:
         limits = await self._served(req.model)
         inputs = req.choice_inputs()
         if req.fill_max_tokens:  # tokenize once, and give the reply the room the prompt leaves
-            first = inputs[0]
-            ids = await self._service.tokenize(None, first.messages, limits,
-                                               add_generation_prompt=first.add_generation_prompt,
-                                               continue_final_message=first.continue_final_message)
-            ids = truncate_prompt(ids, first.truncate_prompt_tokens, limits.max_model_len)
+            ids = await self._service.prompt_ids(inputs[0], limits)
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)

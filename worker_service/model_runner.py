@@ -221,28 +221,22 @@ class ModelRunner:
             in_output = ~in_prompt & (col < num_tokens[:, None])
             meta.prompt_token_ids = _to(np.where(in_prompt, tokens, vocab), dev)
             meta.output_token_ids = _to(np.where(in_output, tokens, vocab), dev)
+        # Per-row id lists are built once at admission (a step never rebuilds them) and sent as
+        # (batch row of each id, the ids), only when some sampling row has one.
         short = np.nonzero(num_tokens - num_prompt < b.min_tokens[rows])[0]
         if len(short):  # before min_tokens, stop tokens (and EOS unless ignored) cannot be sampled
-            # Gathered from the ids each row built once at admission: a step never rebuilds them.
-            banned = [b.min_tokens_banned[int(rows[i])] for i in short.tolist()]
-            counts = [len(ids) for ids in banned]
-            if any(counts):
-                meta.banned_tokens = (_to(np.repeat(short.astype(np.int64), counts), dev),
-                                      _to(np.concatenate(banned), dev))
+            banned = [(i, b.min_tokens_banned[int(rows[i])]) for i in short.tolist()]
+            if any(len(ids) for _, ids in banned):
+                meta.banned_tokens = tuple(_to(a, dev) for a in _per_row(banned))
         if b.num_biased:
             biased = [(i, b.logit_bias[row]) for i, row in enumerate(rows.tolist()) if b.logit_bias[row] is not None]
             if biased:
-                counts = [len(ids) for _, (ids, _) in biased]
-                meta.logit_bias = (_to(np.repeat(np.array([i for i, _ in biased], dtype=np.int64), counts), dev),
-                                   _to(np.concatenate([ids for _, (ids, _) in biased]), dev),
+                meta.logit_bias = (*(_to(a, dev) for a in _per_row([(i, ids) for i, (ids, _) in biased])),
                                    _to(np.concatenate([bias for _, (_, bias) in biased]), dev))
         if b.num_restricted:
             restricted = [(i, b.allowed[row]) for i, row in enumerate(rows.tolist()) if b.allowed[row] is not None]
             if restricted:
-                counts = [len(ids) for _, ids in restricted]
-                meta.allowed_tokens = (_to(np.array([i for i, _ in restricted], dtype=np.int64), dev),
-                                       _to(np.repeat(np.arange(len(restricted), dtype=np.int64), counts), dev),
-                                       _to(np.concatenate([ids for _, ids in restricted]), dev))
+                meta.allowed_tokens = tuple(_to(a, dev) for a in _per_row(restricted))
         num_logprobs = b.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             meta.max_num_logprobs = int(num_logprobs.max())
@@ -266,6 +260,12 @@ class ModelRunner:
                 top = list(zip(top_ids[i][:n], top_lps[i][:n])) if top_ids is not None else []
                 out.logprobs[rid] = [TokenLogprobs(int(token_ids[i]), logprobs[i], top)]
         return out
+
+
+def _per_row(lists: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(the batch row of each entry, the entries) of some rows' id arrays, concatenated."""
+    counts = [len(ids) for _, ids in lists]
+    return np.repeat(np.array([i for i, _ in lists], dtype=np.int64), counts), np.concatenate([ids for _, ids in lists])
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

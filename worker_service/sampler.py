@@ -71,8 +71,7 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None  # [N, Lo] int64, padded with vocab_size
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): -inf (min_tokens)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, fp32 biases)
-    # rows that may sample only some ids: (the rows [R], index into them per allowed id, the ids)
-    allowed_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): all those rows may sample
     max_num_logprobs: int | None = None  # top-n logprobs to return for every row; None = none
 
     @property
@@ -105,7 +104,7 @@ class Sampler:
         if meta.banned_tokens is not None:
             logits = logits.index_put(meta.banned_tokens, logits.new_tensor(float("-inf")))
         if meta.allowed_tokens is not None:
-            logits = mask_to_allowed(logits, *meta.allowed_tokens)
+            logits = mask_to_allowed(logits, meta.allowed_tokens)
         token_ids = logits.argmax(dim=-1)  # [N]; exact greedy (first index on ties, as torch/HF)
         if not meta.all_greedy:
             token_ids = _sample_random_rows(logits, meta, token_ids)
@@ -115,15 +114,15 @@ class Sampler:
         return out
 
 
-def mask_to_allowed(logits: torch.Tensor, rows: torch.Tensor, which: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``logits`` with every id outside a restricted row's allowed ids at -inf (a new tensor).
-    ``rows`` [R]: the restricted rows; ``which`` / ``ids``: for each allowed id, its row's index in
-    ``rows`` and the id."""
-    keep = torch.zeros((rows.shape[0], logits.shape[1]), dtype=torch.bool, device=logits.device)
-    keep[which, ids] = True
-    out = logits.clone()
-    out[rows] = logits[rows].masked_fill(~keep, float("-inf"))
-    return out
+def mask_to_allowed(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``logits`` with every id outside a restricted row's allowed ids at -inf (a new tensor);
+    ``allowed``: (rows, token ids), the pairs a row may sample, as ``banned_tokens`` lists the banned."""
+    rows, ids = allowed
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[rows, ids] = True
+    restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    restricted[rows] = True
+    return logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
 
 
 def _sample_random_rows(logits: torch.Tensor, meta: SamplingMetadata, token_ids: torch.Tensor) -> torch.Tensor:

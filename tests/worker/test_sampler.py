@@ -193,13 +193,13 @@ def test_logit_bias_is_added_to_its_rows_only_and_logprobs_stay_raw():
 def test_allowed_tokens_restrict_only_their_rows_and_logprobs_stay_raw():
     logits = torch.tensor([[0.0, 10.0, 9.0, 1.0], [0.0, 10.0, 9.0, 1.0]])
     # row 1 only may sample 0 or 2; row 0 is free
-    allowed = (torch.tensor([1]), torch.tensor([0, 0]), torch.tensor([0, 2]))
+    allowed = (torch.tensor([1, 1]), torch.tensor([0, 2]))
     meta = meta_for(2, temperature=0.0, allowed_tokens=allowed, max_num_logprobs=1)
     out = Sampler()(logits, meta)
     assert out.token_ids.tolist() == [1, 2]
     assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1)[[0, 1], [1, 2]])
     assert logits[1, 1] == 10.0  # the caller's logits are not changed in place
-    many = meta_for(300, temperature=1.5, allowed_tokens=(torch.arange(300), torch.arange(300).repeat_interleave(2),
+    many = meta_for(300, temperature=1.5, allowed_tokens=(torch.arange(300).repeat_interleave(2),
                                                           torch.tensor([0, 3]).repeat(300)))
     tokens = Sampler()(logits[:1].expand(300, -1).clone(), many).token_ids.tolist()
     assert set(tokens) == {0, 3}  # both allowed ids drawn, nothing else
