@@ -2,6 +2,11 @@
 
     admit new requests / apply aborts → schedule() → Step → update_from_output() → publish
 
+With asynchronous scheduling (``--async-scheduling``, vLLM's), while a decoding batch's step runs
+the next one is planned (``Scheduler.schedule_continuation``) and sent at once, so the worker goes
+from one step to the next without waiting for the round trip; when the next plan depends on the
+results (new requests to admit, prefill chunks, memory short), the loop waits for them as above.
+
 One :class:`WorkerEngine` per worker: its own Scheduler core (so its own block pool, decision 4)
 and its own Step stream. Aborts and new requests arriving while a step is in flight are applied
 between steps, so an aborted request's blocks are free by the end of the step in flight.
@@ -59,8 +64,10 @@ class WorkerEngine:
     def __init__(self, client: WorkerClient, description: WorkerDescription, core: Scheduler,
                  queue: RedisQueue, *, max_queued: int, on_finished: Callable[[int, int], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None,
-                 on_queue_time: Callable[[str, float], None] | None = None, stream_interval: int = 1) -> None:
+                 on_queue_time: Callable[[str, float], None] | None = None, stream_interval: int = 1,
+                 async_scheduling: bool = False) -> None:
         self.client = client
+        self._async_scheduling = async_scheduling
         self._batcher = StreamBatcher(stream_interval)
         self._on_queue_time = on_queue_time  # (model, seconds from arrival) at a request's first scheduling
         self.address = client.address
@@ -84,6 +91,7 @@ class WorkerEngine:
         self.connected = True  # False once the Step stream failed
         self.releasing = False  # True while handing the worker to another scheduler (rebalancing)
         self.num_steps = 0
+        self.num_steps_ahead = 0  # of those, sent while the step before ran (asynchronous scheduling)
         self.num_routed = 0  # requests routed here
         self.num_routed_prefix_hit = 0  # of those, with a prefix-cache hit here
 
@@ -184,9 +192,24 @@ class WorkerEngine:
                     continue
                 if self._on_queue_time is not None:
                     self._observe_queue_times(scheduler_output.scheduled_new_reqs)
-                runner_output = await self.client.step(scheduler_output)
-                self.num_steps += 1
-                await self._publish(self._batcher.take(core.update_from_output(scheduler_output, runner_output)))
+                await self.client.send(scheduler_output)
+                while scheduler_output is not None:
+                    # Asynchronous scheduling: while a decoding batch runs, its next step is planned
+                    # and sent, so the worker starts it without waiting for this round trip.
+                    following = None
+                    if self._async_scheduling and not self._inbox and self._lost_reason is None:
+                        following = core.schedule_continuation(scheduler_output)
+                        if following is not None:
+                            await self.client.send(following)
+                            self.num_steps_ahead += 1
+                    runner_output = await self.client.receive()
+                    self.num_steps += 1
+                    outputs = core.update_from_output(scheduler_output, runner_output)
+                    await self._publish(self._batcher.take(outputs))
+                    scheduler_output = following
+                    if following is not None:
+                        self._wake.clear()
+                        await self._admit_and_abort()
         except WorkerLostError as exc:
             self.connected = False
             if cancel_requested():

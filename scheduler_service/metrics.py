@@ -61,6 +61,9 @@ class SchedulerCollector(Collector):
                      lambda w: w.core.num_preemptions)
         yield family(CounterMetricFamily, "worker_steps", "Steps the scheduler ran on the worker.",
                      lambda w: w.num_steps)
+        yield family(CounterMetricFamily, "worker_steps_ahead",
+                     "Of those, planned and sent while the step before ran (--async-scheduling).",
+                     lambda w: w.num_steps_ahead)
         yield family(CounterMetricFamily, "requests_routed", "Requests the scheduler placed on the worker.",
                      lambda w: w.num_routed)
         yield family(CounterMetricFamily, "requests_prefix_routed", "Of those, placed there for a prefix-cache hit.",

@@ -63,6 +63,7 @@ class WorkerStatsView:
     num_routed: int = 0
     num_routed_prefix_hit: int = 0
     releasing: bool = False
+    num_steps_ahead: int = 0  # of num_steps, planned and sent while the step before ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,7 @@ class SchedulerApp:
     def stats(self) -> ServiceStats:
         return ServiceStats(self.num_finished, self.num_aborted, [
             WorkerStatsView(e.address, e.description.model, e.connected, e.num_steps, e.core.stats(),
-                            e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing)
+                            e.worker_id, e.num_routed, e.num_routed_prefix_hit, e.releasing, e.num_steps_ahead)
             for e in self.engines.values()],
             self.num_resumed, self.num_reclaimed, self.num_dead_lettered, self.num_taken_over,
             self.num_worker_failovers)

@@ -71,6 +71,10 @@ class SchedulerSettings:
         1, help="publish a running request's tokens once this many wait (its first and last at once): fewer, "
                 "larger messages through Redis, gateways and client streams, so less CPU per token where they "
                 "share cores with a worker, for burstier streaming (1: every step)")
+    async_scheduling: bool = setting(
+        True, help="while a decoding batch's step runs, plan and send its next one (vLLM's async scheduling): the "
+                   "worker never waits for the round trip through this scheduler; a request that stops on a stop "
+                   "token computes one token that is dropped")
     output_ttl_s: int = output_ttl_setting()
     discovery_interval_s: float = setting(2.0, help="registry scan / reconnect period")
     poll_block_ms: int = setting(1000, help="longest blocking Redis read (bounds shutdown latency)")

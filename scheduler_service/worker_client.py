@@ -4,6 +4,7 @@ health watch (a worker that starts draining gets no new requests)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -26,8 +27,10 @@ class WorkerLostError(RuntimeError):
 
 
 class WorkerClient:
-    """Invariant: at most one Step call is open; step() is called by one task at a time and each
-    write is answered by exactly one read (lockstep)."""
+    """Invariant: at most one Step call is open; one task at a time sends and receives; each sent
+    step is answered by exactly one read, in the order sent (the worker runs them in order). Up to
+    two steps may be in flight (asynchronous scheduling: the next one is sent before the answer
+    to the one running)."""
 
     def __init__(self, address: str, *, tls: TlsFiles | None = None, token: str = "") -> None:
         self.address = address
@@ -37,6 +40,7 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._call = None
         self._step_id = 0
+        self._in_flight: collections.deque[int] = collections.deque()  # step ids sent, not answered
         self._broken: str | None = None  # why break_stream() cancelled the call
 
     async def describe(self, timeout_s: float = 30.0) -> WorkerDescription:
@@ -52,29 +56,61 @@ class WorkerClient:
     async def open_stream(self) -> None:
         self._call = self._stub.Step(metadata=self._metadata)
         self._step_id = 0
+        self._in_flight.clear()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps sent and not answered yet."""
+        return len(self._in_flight)
 
     async def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send one step's diff and wait for its sampled tokens."""
-        if self._call is None:
-            raise WorkerLostError(f"worker {self.address}: no Step stream open")
+        """Send one step's diff and wait for its sampled tokens (nothing else in flight)."""
+        await self.send(scheduler_output)
+        return await self.receive()
+
+    async def send(self, scheduler_output: SchedulerOutput) -> None:
+        """Send one step's diff; its answer comes from :meth:`receive`, after those of the steps
+        sent before it."""
+        call = self._current_call()
         self._step_id += 1
-        call = self._call
         try:
             await call.write(convert.scheduler_output_to_pb(scheduler_output, self._step_id))
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerLostError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.CancelledError:
+            self._raise_if_broken(call)
+            raise
+        self._in_flight.append(self._step_id)
+
+    async def receive(self) -> ModelRunnerOutput:
+        """The sampled tokens of the oldest step in flight."""
+        call = self._current_call()
+        if not self._in_flight:
+            raise RuntimeError("receive() with no step in flight")
+        try:
             reply = await call.read()
         except grpc.aio.AioRpcError as exc:
             raise WorkerLostError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
         except asyncio.CancelledError:
-            # A call cancelled under a pending read raises CancelledError in the reader: ours
-            # (break_stream) means the worker is lost; anything else is this task's cancellation.
-            if self._broken is None or call is self._call:
-                raise
-            raise WorkerLostError(f"worker {self.address}: {self._broken}") from None
+            self._raise_if_broken(call)
+            raise
         if reply is grpc.aio.EOF:
             raise WorkerLostError(f"worker {self.address}: Step stream ended")
-        if reply.step_id != self._step_id:
-            raise WorkerLostError(f"worker {self.address}: answer for step {reply.step_id}, expected {self._step_id}")
+        expected = self._in_flight.popleft()
+        if reply.step_id != expected:
+            raise WorkerLostError(f"worker {self.address}: answer for step {reply.step_id}, expected {expected}")
         return convert.runner_output_from_pb(reply)
+
+    def _current_call(self):
+        if self._call is None:
+            raise WorkerLostError(f"worker {self.address}: {self._broken or 'no Step stream open'}")
+        return self._call
+
+    def _raise_if_broken(self, call) -> None:
+        """A call cancelled under a pending read or write raises CancelledError in its task: ours
+        (break_stream) means the worker is lost; anything else is this task's cancellation."""
+        if self._broken is not None and call is not self._call:
+            raise WorkerLostError(f"worker {self.address}: {self._broken}") from None
 
     def break_stream(self, reason: str = "stream broken by the scheduler") -> None:
         """Cancel the Step call: a step in flight (or the next one) raises WorkerLostError. Used

@@ -363,7 +363,8 @@ class WorkerPool:
         engine = WorkerEngine(client, description, core, self._queue,
                               max_queued=s.max_queued_per_worker or config.max_num_seqs,
                               on_finished=self._on_finished, on_lost=self._engine_lost,
-                              on_queue_time=self._on_queue_time, stream_interval=s.stream_interval)
+                              on_queue_time=self._on_queue_time, stream_interval=s.stream_interval,
+                              async_scheduling=s.async_scheduling)
         self.engines[address] = engine
         self._engine_tasks[address] = asyncio.create_task(engine.run(), name=f"engine {address}")
         self._side_tasks[address] = asyncio.create_task(

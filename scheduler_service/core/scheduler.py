@@ -213,6 +213,61 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
+    def schedule_continuation(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the step after ``in_flight`` before its results are in (asynchronous scheduling,
+        as vLLM's ``--async-scheduling``): the worker runs steps in order and appends each sampled
+        token to its own copy of the request, so the next step of a decoding batch needs no token
+        from here. Returns None, changing nothing that matters, unless the plan ``schedule()``
+        would make after ``update_from_output(in_flight, ...)`` is known now: every running request
+        was scheduled in ``in_flight`` and samples in it, and no waiting request could take a seat.
+        Then each one that can still grow decodes one token; one that reaches ``max_tokens`` in
+        ``in_flight`` is left out. A request that stops on a stop token in ``in_flight`` computes
+        one token too many: ``update_from_output`` drops it (it is finished by then) and the next
+        plan lists it in ``finished_req_ids``. Blocks this plan allocates hold a token not known
+        here, so they enter the prefix cache only once that token is appended (``cache_blocks``
+        covers blocks with known hashes only). Too few free blocks returns None, allocating nothing
+        (every block a request holds must reach the worker in some plan's ``new_block_ids``).
+
+        Call it at most once per step in flight, before that step's ``update_from_output``."""
+        planned = in_flight.num_scheduled_tokens
+        running = self.running
+        if not planned or not running:
+            return None
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            return None  # a waiting request may take a seat: schedule() decides, with the results in
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        kv = self.kv_cache_manager
+        growing: list[tuple[Request, int]] = []
+        num_new_blocks = 0
+        for request in running:
+            rid = request.request_id
+            n = planned.get(rid)
+            if n is None or request.num_computed_tokens + n != len(request.all_token_ids):
+                # Not in the step (budget), or a partial prefill chunk: schedule() plans it.
+                return None
+            if request.num_output_tokens + 1 >= request.max_tokens:
+                continue  # its token in flight is its last
+            growing.append((request, n))
+            num_new_blocks += max(0, kv.get_num_blocks_needed(request.num_computed_tokens + n + 1)
+                                  - len(kv.get_blocks(rid)))
+        if not growing or num_new_blocks > kv.block_pool.free_block_queue.num_free_blocks:
+            return None  # memory short: schedule() preempts, with the results in (nothing allocated here)
+        cached_reqs: list[CachedRequestData] = []
+        num_scheduled: dict[str, int] = {}
+        for request, n in growing:
+            rid = request.request_id
+            new_blocks = kv.allocate_slots(request, n + 1)
+            assert new_blocks is not None  # counted above
+            num_scheduled[rid] = 1
+            cached_reqs.append(CachedRequestData(rid, [b.block_id for b in new_blocks] if new_blocks else [],
+                                                 request.num_computed_tokens + n))
+        output = SchedulerOutput(scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
+                                 total_num_scheduled_tokens=len(num_scheduled),
+                                 finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        return output
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply one step's results: advance ``num_computed_tokens`` by the scheduled counts, append

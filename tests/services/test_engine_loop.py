@@ -24,6 +24,15 @@ class ScriptedWorker:
 
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}  # request id -> known tokens
+        self.sent: list = []  # steps sent, not answered (WorkerClient's send / receive)
+        self.max_in_flight = 0
+
+    async def send(self, so):
+        self.sent.append(so)
+        self.max_in_flight = max(self.max_in_flight, len(self.sent))
+
+    async def receive(self):
+        return await self.step(self.sent.pop(0))
 
     async def step(self, so):
         for r in so.scheduled_new_reqs:
