@@ -9,7 +9,11 @@ results (new requests to admit, prefill chunks, memory short), the loop waits fo
 
 One :class:`WorkerEngine` per worker: its own Scheduler core (so its own block pool, decision 4)
 and its own Step stream. Aborts and new requests arriving while a step is in flight are applied
-between steps, so an aborted request's blocks are free by the end of the step in flight.
+between steps, so an aborted request's blocks are free by the end of the step in flight. With a
+second step in flight (planned ahead), that step still computes an aborted or stopped request once
+more, into blocks already free here: safe, since only a later step of the same stream can reuse
+them (the worker runs its steps in order, and a block is read only after its owner wrote it), and
+its token is dropped; a request arriving then is admitted by the plan after it.
 
 When the worker is lost (its stream breaks, or the service declares it lost), the engine waits
 until every token it produced is published, then hands each unfinished request back to the

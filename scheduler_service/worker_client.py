@@ -77,6 +77,11 @@ class WorkerClient:
             await call.write(convert.scheduler_output_to_pb(scheduler_output, self._step_id))
         except grpc.aio.AioRpcError as exc:
             raise WorkerLostError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError:
+            # The call ended before this write: a step in flight failed on the worker (its answer
+            # never comes), or the worker went away. Not a scheduler bug: its requests resume elsewhere.
+            code, details = await call.code(), await call.details()
+            raise WorkerLostError(f"worker {self.address}: Step stream ended: {code.name}: {details}") from None
         except asyncio.CancelledError:
             self._raise_if_broken(call)
             raise

@@ -80,7 +80,9 @@ class SimulatedRunner:
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             total = self._num_tokens[rid]
-            if computed[rid] + n >= total:
+            if computed[rid] + n > total:  # as the real runner: a plan past the known tokens is a bug
+                raise ValueError(f"scheduler output schedules tokens past the known token ids of {rid}")
+            if computed[rid] + n == total:
                 position = total - self._num_prompt[rid]
                 sampled[rid] = [simulated_token(self._seed[rid], position, self.info.vocab_size, self._eos)]
                 self._num_tokens[rid] = total + 1
