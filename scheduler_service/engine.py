@@ -37,13 +37,18 @@ from scheduler_service.stream_interval import StreamBatcher
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
-from servicekit.contract.step import EngineCoreOutput, FinishReason
+from servicekit.contract.step import EngineCoreOutput, FinishReason, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
 from servicekit.serving import cancel_requested
 
 log = logging.getLogger(__name__)
 
 PUBLISH_RETRY_MAX_S = 2.0  # longest wait between retries of a publish while Redis is away
+# Asynchronous scheduling plans the next step when this much of the step in flight is left (its
+# expected time: the recent steps'), so the plan reaches the worker before the step ends, and a
+# request arriving earlier in the step is admitted without waiting for one more step.
+PLAN_AHEAD_FRACTION = 0.2
+PLAN_AHEAD_MIN_S = 0.005
 
 
 def resumable_copy(request: Request) -> Request:
@@ -96,6 +101,8 @@ class WorkerEngine:
         self.releasing = False  # True while handing the worker to another scheduler (rebalancing)
         self.num_steps = 0
         self.num_steps_ahead = 0  # of those, sent while the step before ran (asynchronous scheduling)
+        self._step_s = 0.0  # recent steps' time on the worker (moving average), for _plan_delay
+        self._head_started = 0.0  # when the worker could start the oldest step in flight
         self.num_routed = 0  # requests routed here
         self.num_routed_prefix_hit = 0  # of those, with a prefix-cache hit here
 
@@ -196,24 +203,7 @@ class WorkerEngine:
                     continue
                 if self._on_queue_time is not None:
                     self._observe_queue_times(scheduler_output.scheduled_new_reqs)
-                await self.client.send(scheduler_output)
-                while scheduler_output is not None:
-                    # Asynchronous scheduling: while a decoding batch runs, its next step is planned
-                    # and sent, so the worker starts it without waiting for this round trip.
-                    following = None
-                    if self._async_scheduling and not self._inbox and self._lost_reason is None:
-                        following = core.schedule_continuation(scheduler_output)
-                        if following is not None:
-                            await self.client.send(following)
-                            self.num_steps_ahead += 1
-                    runner_output = await self.client.receive()
-                    self.num_steps += 1
-                    outputs = core.update_from_output(scheduler_output, runner_output)
-                    await self._publish(self._batcher.take(outputs))
-                    scheduler_output = following
-                    if following is not None:
-                        self._wake.clear()
-                        await self._admit_and_abort()
+                await self._run_steps(scheduler_output)
         except WorkerLostError as exc:
             self.connected = False
             if cancel_requested():
@@ -227,6 +217,54 @@ class WorkerEngine:
             log.exception("engine of %s failed; failing its %d requests", self.address, len(self._entry_ids))
             await self._fail_all("scheduler engine failed")
             raise
+
+    async def _run_steps(self, scheduler_output: SchedulerOutput) -> None:
+        """Send ``scheduler_output`` and apply its results. With asynchronous scheduling, while a
+        step is in flight the one after it is planned (``Scheduler.schedule_continuation``) and
+        sent, so the worker goes on without waiting for the round trip, for as long as the plan
+        does not depend on results. The plan is made late in the step (``_plan_delay``): a request
+        arriving before then is admitted by the next plan, as without pipelining."""
+        core, client = self.core, self.client
+        await client.send(scheduler_output)  # nothing else in flight: the worker starts it now
+        self._head_started = time.perf_counter()
+        while scheduler_output is not None:
+            following = None
+            if self._async_scheduling:
+                answer = asyncio.ensure_future(client.receive())
+                try:
+                    delay = self._plan_delay()
+                    if delay > 0:
+                        await asyncio.wait((answer,), timeout=delay)
+                    if not answer.done() and not self._inbox and self._lost_reason is None:
+                        following = core.schedule_continuation(scheduler_output)
+                        if following is not None:
+                            await client.send(following)
+                            self.num_steps_ahead += 1
+                    runner_output = await answer
+                finally:
+                    if not answer.done():
+                        answer.cancel()
+            else:
+                runner_output = await client.receive()
+            now = time.perf_counter()
+            took = now - self._head_started  # the step's time since the worker could start it
+            self._step_s = took if not self._step_s else 0.5 * self._step_s + 0.5 * took
+            self._head_started = now  # the step sent ahead (if any) starts now
+            self.num_steps += 1
+            outputs = core.update_from_output(scheduler_output, runner_output)
+            await self._publish(self._batcher.take(outputs))
+            scheduler_output = following
+            if following is not None:
+                self._wake.clear()
+                await self._admit_and_abort()
+
+    def _plan_delay(self) -> float:
+        """Seconds to wait before planning the step after the one in flight: until a fifth of its
+        expected time (at least 5 ms, for the plan to reach the worker) is left."""
+        if not self._step_s:
+            return 0.0
+        margin = max(PLAN_AHEAD_MIN_S, PLAN_AHEAD_FRACTION * self._step_s)
+        return self._head_started + self._step_s - margin - time.perf_counter()
 
     async def _hand_back(self) -> None:
         """Publish what is pending (aborts included), then give every unfinished request back."""

@@ -58,11 +58,6 @@ class WorkerClient:
         self._step_id = 0
         self._in_flight.clear()
 
-    @property
-    def num_in_flight(self) -> int:
-        """Steps sent and not answered yet."""
-        return len(self._in_flight)
-
     async def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Send one step's diff and wait for its sampled tokens (nothing else in flight)."""
         await self.send(scheduler_output)

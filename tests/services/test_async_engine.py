@@ -59,3 +59,41 @@ async def test_a_worker_lost_with_two_steps_in_flight_hands_back_what_was_publis
     published = [t for r in queue.of("a") for t in r.token_ids]
     assert entry_id == "entry-a" and list(request.output_token_ids) == published == [7, 7, 7, 7]
     assert engine.num_steps_ahead >= 1
+
+
+class TimedWorker(ScriptedWorker):
+    """Each step takes ``step_s`` on the worker; ``started`` lists the steps in the order they began."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.started: list = []
+
+    async def step(self, so):
+        self.started.append(so)
+        await asyncio.sleep(self.step_s)
+        return await super().step(so)
+
+
+@pytest.mark.asyncio
+async def test_a_request_arriving_early_in_a_step_is_admitted_by_the_next_one():
+    """The step after the one in flight is planned late in it (a fifth of its time left), so a
+    request that arrives in the first part of a step is admitted right after it, as without
+    pipelining, while a steady decoding batch still has its steps sent ahead."""
+    queue, worker = RecordingQueue(), TimedWorker(0.05)
+    engine = make_engine(queue, worker, async_scheduling=True)
+    task = asyncio.create_task(engine.run())
+    engine.submit(make_request("a", max_tokens=40), "entry-a")
+    while engine.num_steps_ahead < 3:
+        await asyncio.sleep(0.005)
+    seen = len(worker.started)
+    while len(worker.started) == seen:  # a step just began on the worker
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    running_index = len(worker.started) - 1
+    engine.submit(make_request("b", max_tokens=3), "entry-b")
+    await asyncio.wait_for(engine.wait_idle(), 10)
+    task.cancel()
+    admitted = next(i for i, so in enumerate(worker.started) if any(r.request_id == "b" for r in so.scheduled_new_reqs))
+    assert admitted == running_index + 1
+    assert [t for r in queue.of("a") for t in r.token_ids] == [7] * 40
