@@ -30,6 +30,16 @@ def decoding(s, *requests):
         s.update_from_output(out, model_output(s, out))
 
 
+def two_in_flight(a_max_tokens: int = 10, b_max_tokens: int = 10):
+    """Two decoding requests, a step of theirs sent and the one after it planned:
+    (scheduler, a, b, the step in flight, its continuation)."""
+    s = make_scheduler()
+    a, b = make_request(5, max_tokens=a_max_tokens), make_request(5, max_tokens=b_max_tokens)
+    decoding(s, a, b)
+    first = s.schedule()
+    return s, a, b, first, s.schedule_continuation(first)
+
+
 def test_the_next_decode_step_is_planned_while_one_runs():
     s = make_scheduler(block_size=4)
     a, b = make_request(6, max_tokens=10), make_request(3, max_tokens=10)
@@ -54,11 +64,7 @@ def test_the_next_decode_step_is_planned_while_one_runs():
 
 
 def test_a_request_whose_token_in_flight_is_its_last_is_left_out():
-    s = make_scheduler()
-    a, b = make_request(5, max_tokens=2), make_request(5, max_tokens=10)
-    decoding(s, a, b)
-    first = s.schedule()
-    second = s.schedule_continuation(first)
+    s, a, b, first, second = two_in_flight(a_max_tokens=2)
     assert set(second.num_scheduled_tokens) == {b.request_id}
     results = {o.request_id: o for o in s.update_from_output(first, model_output(s, first))}
     assert results[a.request_id].finish_reason == FinishReason.LENGTH
@@ -109,11 +115,7 @@ def test_memory_short_means_no_plan_and_nothing_lost():
 
 
 def test_a_stop_in_flight_drops_the_extra_token_and_frees_everything():
-    s = make_scheduler()
-    a, b = make_request(5, max_tokens=10), make_request(5, max_tokens=10)
-    decoding(s, a, b)
-    first = s.schedule()
-    second = s.schedule_continuation(first)
+    s, a, b, first, second = two_in_flight()
     out1 = {o.request_id: o for o in s.update_from_output(first, model_output(s, first, {a.request_id: EOS}))}
     assert out1[a.request_id].finish_reason == FinishReason.STOP
     assert a.request_id not in s.requests  # its blocks are free, its continuation still runs on the worker
@@ -125,11 +127,7 @@ def test_a_stop_in_flight_drops_the_extra_token_and_frees_everything():
 
 
 def test_an_abort_while_two_steps_are_in_flight():
-    s = make_scheduler()
-    a, b = make_request(5, max_tokens=10), make_request(5, max_tokens=10)
-    decoding(s, a, b)
-    first = s.schedule()
-    second = s.schedule_continuation(first)
+    s, a, b, first, second = two_in_flight()
     s.update_from_output(first, model_output(s, first))
     [aborted] = s.abort([a.request_id])
     assert aborted.finish_reason == FinishReason.ABORT

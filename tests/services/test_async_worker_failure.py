@@ -6,6 +6,7 @@ it never fails them as if the scheduler were broken."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -40,8 +41,10 @@ class FailingRunner(SimulatedRunner):
         return super().execute_model(scheduler_output)
 
 
-@pytest.mark.parametrize("fail_at", [2, 3, 4, 5, 6, 7])
-async def test_a_failed_step_under_a_planned_one_hands_the_requests_back(fail_at):
+@contextlib.asynccontextmanager
+async def failing_worker(fail_at: int):
+    """A worker gRPC server whose runner fails at step ``fail_at``, and a scheduler's client of it:
+    (client, its description)."""
     servicer = WorkerServicer(FailingRunner(fail_at), worker_id="w", max_num_seqs=8, max_num_batched_tokens=64)
     server = build_server(servicer)
     port = server.bind("127.0.0.1:0")
@@ -49,6 +52,18 @@ async def test_a_failed_step_under_a_planned_one_hands_the_requests_back(fail_at
     client = None
     try:
         client, description = await connect(f"127.0.0.1:{port}")
+        yield client, description
+    finally:
+        if client is not None:
+            await client.close()
+        servicer.stopping = True
+        await server.drain(0.5)
+        servicer.close()
+
+
+@pytest.mark.parametrize("fail_at", [2, 3, 4, 5, 6, 7])
+async def test_a_failed_step_under_a_planned_one_hands_the_requests_back(fail_at):
+    async with failing_worker(fail_at) as (client, description):
         core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
         queue, handed = RecordingQueue(), []
         engine = WorkerEngine(client, replace(description, worker_id="w"), core, queue, max_queued=8,
@@ -63,12 +78,6 @@ async def test_a_failed_step_under_a_planned_one_hands_the_requests_back(fail_at
             assert list(request.output_token_ids) == published and len(published) == fail_at - 1
             assert not any(r.error_message for r in queue.of(request.request_id))
         assert engine.num_steps_ahead >= 1 or fail_at == 2
-    finally:
-        if client is not None:
-            await client.close()
-        servicer.stopping = True
-        await server.drain(0.5)
-        servicer.close()
 
 
 async def test_a_write_after_the_worker_ended_the_stream_is_a_lost_worker():
@@ -76,13 +85,7 @@ async def test_a_write_after_the_worker_ended_the_stream_is_a_lost_worker():
     is written (grpc raises InvalidStateError there, which is not a scheduler bug)."""
     from scheduler_service.worker_client import WorkerLostError
 
-    servicer = WorkerServicer(FailingRunner(1), worker_id="w", max_num_seqs=8, max_num_batched_tokens=64)
-    server = build_server(servicer)
-    port = server.bind("127.0.0.1:0")
-    await server.start()
-    client = None
-    try:
-        client, description = await connect(f"127.0.0.1:{port}")
+    async with failing_worker(1) as (client, description):
         core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
         core.add_request(make_request("a", max_tokens=4))
         await client.send(core.schedule())  # fails on the worker at once
@@ -92,9 +95,3 @@ async def test_a_write_after_the_worker_ended_the_stream_is_a_lost_worker():
             await asyncio.sleep(0.01)
         with pytest.raises(WorkerLostError, match="Step stream ended: INTERNAL"):
             await client.send(SchedulerOutput())
-    finally:
-        if client is not None:
-            await client.close()
-        servicer.stopping = True
-        await server.drain(0.5)
-        servicer.close()
