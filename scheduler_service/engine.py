@@ -3,9 +3,9 @@
     admit new requests / apply aborts → schedule() → Step → update_from_output() → publish
 
 With asynchronous scheduling (``--async-scheduling``, vLLM's), while a decoding batch's step runs
-the next one is planned (``Scheduler.schedule_continuation``) and sent at once, so the worker goes
-from one step to the next without waiting for the round trip; when the next plan depends on the
-results (new requests to admit, prefill chunks, memory short), the loop waits for them as above.
+the next one is planned (``Scheduler.schedule_continuation``) late in it and sent, so the worker
+goes from one step to the next without waiting for the round trip; when the next plan depends on
+the results (new requests to admit, prefill chunks, memory short), the loop waits for them as above.
 
 One :class:`WorkerEngine` per worker: its own Scheduler core (so its own block pool, decision 4)
 and its own Step stream. Aborts and new requests arriving while a step is in flight are applied
@@ -49,6 +49,12 @@ PUBLISH_RETRY_MAX_S = 2.0  # longest wait between retries of a publish while Red
 # request arriving earlier in the step is admitted without waiting for one more step.
 PLAN_AHEAD_FRACTION = 0.2
 PLAN_AHEAD_MIN_S = 0.005
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Take the outcome of a task nobody awaits any more, so asyncio does not report it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def resumable_copy(request: Request) -> Request:
@@ -242,8 +248,9 @@ class WorkerEngine:
                             self.num_steps_ahead += 1
                     runner_output = await answer
                 finally:
-                    if not answer.done():
+                    if not answer.done():  # this task fails or is cancelled: the call is going away
                         answer.cancel()
+                        answer.add_done_callback(_retrieve)
             else:
                 runner_output = await client.receive()
             now = time.perf_counter()

@@ -72,9 +72,10 @@ class SchedulerSettings:
                 "larger messages through Redis, gateways and client streams, so less CPU per token where they "
                 "share cores with a worker, for burstier streaming (1: every step)")
     async_scheduling: bool = setting(
-        True, help="while a decoding batch's step runs, plan and send its next one (vLLM's async scheduling): the "
-                   "worker never waits for the round trip through this scheduler; a request that stops on a stop "
-                   "token computes one token that is dropped")
+        True, help="while a decoding batch's step runs, plan and send its next one late in it (vLLM's async "
+                   "scheduling): the worker does not wait for the round trip through this scheduler; a request that "
+                   "stops on a stop token computes one token that is dropped, one arriving in a step's last fifth "
+                   "waits one step more")
     output_ttl_s: int = output_ttl_setting()
     discovery_interval_s: float = setting(2.0, help="registry scan / reconnect period")
     poll_block_ms: int = setting(1000, help="longest blocking Redis read (bounds shutdown latency)")
