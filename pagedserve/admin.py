@@ -38,6 +38,7 @@ class WorkerPoolStats:
     num_routed_prefix_hit: int
     num_preemptions: int
     num_steps: int
+    num_steps_ahead: int = 0  # of num_steps, sent while the step before ran (asynchronous scheduling)
 
     @property
     def all_free(self) -> bool:
@@ -65,7 +66,8 @@ def _from_pb(msg: scheduler_pb2.StatsResponse) -> SchedulerStats:
         num_free_blocks=w.num_free_blocks, kv_cache_usage=w.kv_cache_usage,
         prefix_cache_hit_rate=w.prefix_cache_hit_rate, prefix_cache_hit_tokens=w.prefix_cache_hit_tokens,
         prefix_cache_query_tokens=w.prefix_cache_query_tokens, num_routed=w.num_routed,
-        num_routed_prefix_hit=w.num_routed_prefix_hit, num_preemptions=w.num_preemptions, num_steps=w.num_steps)
+        num_routed_prefix_hit=w.num_routed_prefix_hit, num_preemptions=w.num_preemptions, num_steps=w.num_steps,
+        num_steps_ahead=w.num_steps_ahead)
         for w in msg.workers)
     return SchedulerStats(
         consumer=msg.consumer, num_running=msg.num_running, num_waiting=msg.num_waiting,

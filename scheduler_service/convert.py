@@ -134,6 +134,7 @@ def stats_to_pb(stats, *, consumer: str) -> scheduler_pb2.StatsResponse:
         core = w.core
         msg.workers.add(
             address=w.address, model=w.model, connected=w.connected, num_steps=w.num_steps,
+            num_steps_ahead=w.num_steps_ahead,
             worker_id=w.worker_id, num_routed=w.num_routed, num_routed_prefix_hit=w.num_routed_prefix_hit,
             releasing=w.releasing,
             prefix_cache_hit_tokens=core.prefix_cache_hits if core else 0,

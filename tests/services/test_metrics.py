@@ -111,6 +111,9 @@ async def test_scheduler_reports_routing_prefix_cache_and_queues_per_worker(stac
     assert after.get("pagedserve:worker_connected", **labels) == 1
     stats = await scheduler_stats(stack.scheduler_address)
     assert after.get("pagedserve:requests_dead_lettered_total") == stats.num_dead_lettered
+    [worker_stats] = [w for w in stats.workers if w.address == stack.worker.address]
+    assert after.get("pagedserve:worker_steps_ahead_total", **labels) == worker_stats.num_steps_ahead
+    assert worker_stats.num_steps_ahead <= worker_stats.num_steps
     for name in ("num_requests_waiting", "num_preemptions_total", "requests_prefix_routed_total",
                  "requests_resumed_total", "worker_failovers_total", "requests_taken_over_total"):
         assert after.labels_of("pagedserve:" + name), name
