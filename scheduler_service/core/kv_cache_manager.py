@@ -74,6 +74,12 @@ class KVCacheManager:
     def get_num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def get_num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks ``allocate_slots(request, num_new_tokens)`` takes from the pool for a request
+        that already holds its table (no prefix hit to claim)."""
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        return max(0, self.get_num_blocks_needed(request.num_computed_tokens + num_new_tokens) - held)
+
     # -- allocation -----------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

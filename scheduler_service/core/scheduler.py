@@ -249,9 +249,8 @@ class Scheduler:
             if request.num_output_tokens + 1 >= request.max_tokens:
                 continue  # its token in flight is its last
             growing.append((request, n))
-            num_new_blocks += max(0, kv.get_num_blocks_needed(request.num_computed_tokens + n + 1)
-                                  - len(kv.get_blocks(rid)))
-        if not growing or num_new_blocks > kv.block_pool.free_block_queue.num_free_blocks:
+            num_new_blocks += kv.get_num_new_blocks(request, n + 1)
+        if not growing or num_new_blocks > kv.get_num_free_blocks():
             return None  # memory short: schedule() preempts, with the results in (nothing allocated here)
         cached_reqs: list[CachedRequestData] = []
         num_scheduled: dict[str, int] = {}
