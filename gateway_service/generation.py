@@ -67,10 +67,25 @@ class GenerationService:
         self._fanout = fanout
         self._rng = seed_rng if seed_rng is not None else random.SystemRandom()
         self._background: set[asyncio.Task] = set()
-        self.draining = False
+        self._draining = asyncio.Event()
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def draining(self) -> bool:
+        """Set when the gateway drains: new generations are refused (UNAVAILABLE)."""
+        return self._draining.is_set()
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value:
+            self._draining.set()
+        else:
+            self._draining.clear()
+
+    async def wait_draining(self) -> None:
+        await self._draining.wait()
 
     # -- shared checks --------------------------------------------------------------------------------
 

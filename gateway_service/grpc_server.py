@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway_service import convert
 from gateway_service.generation import GenerationService
+from gateway_service.multiplex import GenerateManyCall
 from gateway_service.settings import GatewaySettings
 from servicekit.auth import KeyStore
 from servicekit.grpc_auth import HEALTH_SERVICES, REFLECTION_SERVICES, BearerAuthInterceptor, caller_key_digest
@@ -19,8 +20,9 @@ from servicekit.serving import ServerLifecycle
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, service: GenerationService, settings: GatewaySettings | None = None) -> None:
         self._service = service
+        self._settings = settings or GatewaySettings()
 
     async def Generate(self, request, context):
         inp = convert.generate_input_from_pb(request)
@@ -31,6 +33,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         async with aclosing(stream) as chunks:
             async for chunk in chunks:
                 yield convert.chunk_to_pb(chunk)
+
+    async def GenerateMany(self, request_iterator, context):
+        call = GenerateManyCall(self._service, max_open=self._settings.max_concurrent_streams,
+                                max_buffered=self._settings.max_buffered_outputs)
+        async with aclosing(call.responses(request_iterator)) as responses:
+            async for response in responses:
+                yield response
 
     async def Tokenize(self, request, context):
         model, text, messages = convert.tokenize_input_from_pb(request)
@@ -61,5 +70,5 @@ def build_server(service: GenerationService, settings: GatewaySettings | None = 
                  # client at the limit saw refusals (of 1,000 concurrent streams on one connection,
                  # 139-381 failed after the SDK's retries).
                  ("grpc.http.overload_protection", 0)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), lifecycle.server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service, settings), lifecycle.server)
     return lifecycle

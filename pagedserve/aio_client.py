@@ -37,6 +37,7 @@ from pagedserve import wire
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient, parse_addresses
+from pagedserve.multiplex import GenerateManyPool, MultiplexedStream
 from servicekit.auth import bearer_metadata
 from servicekit.ports import GATEWAY_PORT
 from servicekit.proto.channel import CHANNEL_OPTIONS
@@ -59,6 +60,18 @@ class AsyncStream(StreamCall):
     call, which aborts the request on the server. A call broken by a gateway failure is resumed on
     the next gateway (:mod:`pagedserve.failover`): every output index arrives exactly once."""
 
+    def __init__(self, *args, pool: GenerateManyPool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool = pool  # the client's GenerateMany calls; None: a Generate call per stream
+
+    def _start(self) -> None:
+        if self._pool is not None:
+            timeout = self._failover.remaining() if self._timeout is not None else None
+            self._call = self._pool.open(self._failover.address_index, self._request, timeout)
+            if self._call is not None:
+                return
+        super()._start()  # that gateway has no GenerateMany (an older version)
+
     def __aiter__(self) -> AsyncStream:
         return self
 
@@ -71,6 +84,10 @@ class AsyncStream(StreamCall):
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and isinstance(self._call, MultiplexedStream):
+                    self._pool.unimplemented[self._failover.address_index] = True
+                    self._start()  # the same gateway, by a Generate call
+                    continue
                 delay = self._failover.next_try(exc.code(), exc.details() or "")
                 if delay is None:
                     self._done = True
@@ -125,16 +142,28 @@ class GatewayClientBase:
             prompt, messages=messages, request_id=request_id or uuid.uuid4().hex, **kwargs)
         return self._stream_class(self._stubs, request,
                                   timeout=timeout if timeout is not None else self.timeout,
-                                  retries=self.retries, metadata=self._metadata)
+                                  retries=self.retries, metadata=self._metadata, **self._stream_options())
+
+    def _stream_options(self) -> dict[str, Any]:
+        return {}
 
 
 class AsyncClient(GatewayClientBase):
     """Channels to one or more gateways (``"h1:p1,h2:p2"`` or a list; streams fail over between
     them in order); safe to share between tasks. ``timeout`` is the default deadline of each call
-    in seconds, all retries included (None: none)."""
+    in seconds, all retries included (None: none). Streams share one GenerateMany call per gateway
+    (one message per engine step for all of them; :mod:`pagedserve.multiplex`); ``multiplex=False``
+    gives each its own Generate call."""
 
     _stream_class = AsyncStream
     _open_channel = staticmethod(aio_channel)
+
+    def __init__(self, address: str | Sequence[str] = DEFAULT_ADDRESS, *, multiplex: bool = True, **kwargs) -> None:
+        super().__init__(address, **kwargs)
+        self._pool = GenerateManyPool(self._stubs, self._metadata) if multiplex else None
+
+    def _stream_options(self) -> dict[str, Any]:
+        return {"pool": self._pool}
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
         """Generate and return the whole completion."""
@@ -163,6 +192,8 @@ class AsyncClient(GatewayClientBase):
         return wire.model_info_from_pb(await self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
         for channel in self._channels:
             await channel.close()
 

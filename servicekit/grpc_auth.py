@@ -26,11 +26,19 @@ HEALTH_SERVICES = (health.SERVICE_NAME,)
 REFLECTION_SERVICES = (reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
 
 _caller_digest: ContextVar[str] = ContextVar("caller_key_digest", default="")
+_caller_check: ContextVar[Callable[[], str]] = ContextVar("caller_key_check", default=lambda: "")
 
 
 def caller_key_digest() -> str:
     """The digest of the key that admitted the current call ("" when the service has no keys)."""
     return _caller_digest.get()
+
+
+def caller_key_check() -> Callable[[], str]:
+    """For a long-lived call that starts work long after it was admitted (GenerateMany): a function
+    that checks the call's key again — the key file may have changed since — returning its digest or
+    raising UnauthenticatedError."""
+    return _caller_check.get()
 
 
 
@@ -67,7 +75,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         return rewrap_handler(handler, self._guard, handler_call_details.method)
 
     def _admit(self, context) -> None:
-        _caller_digest.set(self.store.check(_authorization(context)))
+        authorization = _authorization(context)
+        _caller_digest.set(self.store.check(authorization))
+        _caller_check.set(lambda: self.store.check(authorization))
 
     def _guard(self, behavior: Callable, method: str) -> Callable:
         if inspect.isasyncgenfunction(behavior):

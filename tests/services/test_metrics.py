@@ -53,7 +53,7 @@ async def test_gateway_counts_requests_tokens_and_latencies_of_grpc_and_http_cal
     async with openai.AsyncOpenAI(base_url=stack.http_url, api_key="unused", max_retries=0) as client:
         await client.completions.create(model=stack.model, prompt=http_prompt, max_tokens=7, temperature=0,
                                         extra_body={"ignore_eos": True})
-    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+    async with AsyncClient(stack.gateway_address, timeout=60, multiplex=False) as sdk:  # a Generate call each
         await sdk.generate(grpc_prompt, max_tokens=5, ignore_eos=True)
         with pytest.raises(InvalidArgumentError):
             await sdk.generate("Hello", max_tokens=5, model="no-such-model")
@@ -81,6 +81,19 @@ async def test_gateway_counts_requests_tokens_and_latencies_of_grpc_and_http_cal
     assert moved("grpc_server_handled_total", grpc_code="OK", **generate) == 1
     assert moved("grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **generate) == 1
     assert moved("grpc_server_handling_seconds_count", **generate) == 2
+
+    # The SDK's default: both generations in one GenerateMany call, which ends OK when the client closes.
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        await sdk.generate(grpc_prompt, max_tokens=5, ignore_eos=True)
+        with pytest.raises(InvalidArgumentError):
+            await sdk.generate("Hello", max_tokens=5, model="no-such-model")
+    later = await scrape(stack.gateway.http_port)
+    many = dict(grpc_service="pagedserve.v1.Generation", grpc_method="GenerateMany", grpc_type="BIDI_STREAM")
+    assert later.get("grpc_server_started_total", **many) - after.get("grpc_server_started_total", **many) == 1
+    assert later.get("grpc_server_handled_total", grpc_code="OK", **many) - after.get(
+        "grpc_server_handled_total", grpc_code="OK", **many) == 1
+    assert later.get("pagedserve:request_success_total", finished_reason="length", **m) - after.get(
+        "pagedserve:request_success_total", finished_reason="length", **m) == 1
 
 
 async def test_scheduler_reports_routing_prefix_cache_and_queues_per_worker(stack):
