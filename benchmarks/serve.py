@@ -135,10 +135,10 @@ async def drive(requests: list[BenchRequest], rate: float, seed: int,
 
 
 async def run_stack(address: str, requests: list[BenchRequest], rate: float, temperature: float,
-                    seed: int) -> tuple[list[RequestResult], float]:
+                    seed: int, multiplex: bool = True) -> tuple[list[RequestResult], float]:
     from pagedserve.aio_client import AsyncClient
 
-    async with AsyncClient(address, timeout=3600) as client:
+    async with AsyncClient(address, timeout=3600, multiplex=multiplex) as client:
         await client.generate([requests[0].prompt_token_ids[0]], max_tokens=2)  # warm-up
 
         async def chunks(req: BenchRequest) -> AsyncIterator[tuple[int, bool]]:
@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval", type=int, default=0,
                         help="with --start-stack: the scheduler's --stream-interval (tokens per published record; "
                              "0: the scheduler's default, 1)")
+    parser.add_argument("--multiplex", choices=("on", "off"), default="on",
+                        help="the SDK's streams over one GenerateMany call (on, its default) or a Generate call each")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="with --start-stack: one more flag for the worker, e.g. "
+                             "--worker-arg=--simulate-step-latency=0.005,0 (no model: the services' own cost)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the runs this many times, alternating stack and --llm on fresh prompts "
                              "(the machine's speed drifts between runs: the median pair compares fairly)")
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.start_stack:
             from pagedserve.launcher import Stack, StackOptions, free_port
 
-            worker_args = [f"--max-num-seqs={args.max_num_seqs}"]
+            worker_args = [f"--max-num-seqs={args.max_num_seqs}", *args.worker_arg]
             if args.kv_cache_memory:
                 worker_args.append(f"--kv-cache-memory={args.kv_cache_memory}")
             http_port = free_port()
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.backend in ("grpc", "both"):
                 cpu = CpuAccount(stack)
                 results, duration = asyncio.run(run_stack(address, round_requests, args.request_rate,
-                                                          args.temperature, args.seed))
+                                                          args.temperature, args.seed, args.multiplex == "on"))
                 summaries.append(summarize("stack (gRPC SDK)" + label, results, duration))
                 summaries[-1]["cpu_seconds"] = cpu.seconds()
                 print(report(summaries[-1]), flush=True)

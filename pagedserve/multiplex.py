@@ -40,36 +40,41 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class MultiplexedStream:
     """One generation of a :class:`GenerateManyCall`, read like a Generate call."""
 
-    def __init__(self, call: GenerateManyCall, stream_id: int, deadline: float | None) -> None:
+    def __init__(self, call: GenerateManyCall, stream_id: int, timeout: float | None) -> None:
         self._call = call
         self._id = stream_id
-        self._deadline = deadline  # loop time, or None
         self.inbox: asyncio.Queue = asyncio.Queue()
         self._over = False
+        # The gateway ends a generation at its deadline too; the client's holds anyway (one timer, not one per read).
+        self._timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, self._expire)
 
     async def read(self):
-        if self._over:
+        if self._over and self.inbox.empty():
             return grpc.aio.EOF
-        if not self.inbox.empty():
-            item = self.inbox.get_nowait()
-        else:
-            try:
-                async with asyncio.timeout_at(self._deadline):
-                    item = await self.inbox.get()
-            except TimeoutError:  # the gateway ends it at its deadline too; the client's holds anyway
-                self.cancel()
-                raise stream_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        item = await self.inbox.get()
         if isinstance(item, grpc.aio.AioRpcError):
-            self._over = True
+            self._end()
             raise item
         if item.finish_reason:
-            self._over = True
+            self._end()
         return item
 
     def cancel(self) -> None:
         if not self._over:
-            self._over = True
             self._call.cancel_stream(self._id)
+        self._end()
+        self.inbox = asyncio.Queue()  # nothing more is read
+
+    def _end(self) -> None:
+        self._over = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        if not self._over:
+            self._call.cancel_stream(self._id)
+            self._end()
+            self.inbox.put_nowait(stream_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
 
 class GenerateManyCall:
@@ -93,8 +98,7 @@ class GenerateManyCall:
 
     def open(self, request: generation_pb2.GenerateRequest, timeout: float | None) -> MultiplexedStream:
         stream_id = next(self._ids)
-        loop = asyncio.get_running_loop()
-        stream = MultiplexedStream(self, stream_id, None if timeout is None else loop.time() + timeout)
+        stream = MultiplexedStream(self, stream_id, timeout)
         self._streams[stream_id] = stream
         self._outgoing.put_nowait(generation_pb2.GenerateManyRequest(
             stream_id=stream_id, start=request, timeout_s=timeout or 0.0))
