@@ -18,8 +18,6 @@ import logging
 import math
 from contextlib import aclosing
 
-import grpc
-
 from gateway_service import convert
 from gateway_service.generation import GenerationService
 from servicekit.contract.errors import (
@@ -30,7 +28,8 @@ from servicekit.contract.errors import (
 )
 from servicekit.grpc_auth import caller_key_check, caller_key_digest
 from servicekit.proto.pb import generation_pb2
-from servicekit.proto.status import FIELD_METADATA_KEY, status_of
+from servicekit.proto.status import FIELD_METADATA_KEY
+from servicekit.serving import status_for_exception
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +45,8 @@ _ENDED = _Ended()
 
 def error_event(stream_id: int, exc: BaseException) -> generation_pb2.GenerateManyEvent:
     """The event ending ``stream_id`` with ``exc``, carrying the status a Generate call would end with."""
-    if isinstance(exc, PagedServeError):
-        code, details, trailing = status_of(exc)
-        field = next((v for k, v in trailing if k == FIELD_METADATA_KEY), "")
-    else:
-        log.error("unexpected error in a GenerateMany generation", exc_info=exc)
-        code, details, field = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ""
+    code, details, trailing = status_for_exception(exc, "a GenerateMany generation")
+    field = next((value for key, value in trailing if key == FIELD_METADATA_KEY), "")
     return generation_pb2.GenerateManyEvent(stream_id=stream_id, error_code=code.value[0], error_details=details,
                                             error_field=field)
 

@@ -77,17 +77,17 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
 
 
-def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple] | None:
-    """The (code, details, trailing metadata) a handler's exception travels as; None: not ours."""
-    return status_of(exc) if isinstance(exc, PagedServeError) else None
+def status_for_exception(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str, tuple]:
+    """The (code, details, trailing metadata) a handler's exception travels as: a typed error's
+    own; anything else is logged (a bug) and INTERNAL."""
+    if isinstance(exc, PagedServeError):
+        return status_of(exc)
+    log.error("unexpected error in %s", method, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ()
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    mapped = _status_for(exc)
-    if mapped is None:
-        log.exception("unexpected error in %s", method, exc_info=exc)
-        mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}", ())
-    code, details, trailing = mapped
+    code, details, trailing = status_for_exception(exc, method)
     if trailing:
         context.set_trailing_metadata(trailing)
     await context.abort(code, details)
