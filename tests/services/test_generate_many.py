@@ -224,3 +224,18 @@ async def test_starts_past_max_concurrent_streams_wait_for_a_seat(stack, hf_toke
         first = next(i for i, e in enumerate(order) if e.stream_id == sid)
         finished_before = sum(1 for e in order[:first] if e.response.finish_reason)
         assert finished_before >= sid - 2
+
+
+async def test_an_undecodable_message_fails_the_call_with_invalid_argument(stack):
+    async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+        method = channel.stream_stream("/pagedserve.v1.Generation/GenerateMany",
+                                       request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+        async def garbage():
+            yield b"\xff\xff\xff\xff\x0f"  # a truncated varint
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in method(garbage(), timeout=10):
+                pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(info.value.trailing_metadata() or ()).get("pagedserve-field") == "request"
