@@ -32,6 +32,27 @@ def test_detokenizer_never_emits_a_broken_character_and_joins_to_decode(hf_token
     assert any(p == "" for p in pieces)  # a multi-byte character spans tokens and was held back
 
 
+def test_the_backend_decode_gives_what_the_tokenizers_decode_gives(hf_tokenizer):
+    import random
+
+    from gateway_service.text import backend_decode
+
+    fast = backend_decode(hf_tokenizer)
+    assert fast is not None  # SmolLM2's tokenizer is a fast one without space clean-up
+    rng = random.Random(0)
+    specials = list(hf_tokenizer.all_special_ids)
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(hf_tokenizer))
+               for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
+
+    class Slow:  # a tokenizer that cleans up spaces (or has no backend) keeps its own decode
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = hf_tokenizer.backend_tokenizer
+    assert backend_decode(Slow()) is None and backend_decode(object()) is None
+
+
 def test_stop_matcher_holds_back_possible_stop_prefixes():
     m = StopStringMatcher(("STOP", "\n\n"))
     assert m.feed("hello S") == ("hello ", None)
