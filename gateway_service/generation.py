@@ -22,28 +22,72 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from redis.exceptions import RedisError, ResponseError
 
 from gateway_service import convert
 from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.chunks import ChunkAssembler
 from gateway_service.metrics import GatewayMetrics
 from gateway_service.model_limits import ModelLimitsView
-from gateway_service.output_fanout import OutputFanout, Subscription
+from gateway_service.output_fanout import OutputFanout, SlowReaderError, Subscription
 from gateway_service.request_queue import RequestQueue
-from gateway_service.text import OutputText, PromptTokenizer
+from gateway_service.text import PromptTokenizer
 from servicekit.auth import ConcurrencyLimits, TokenRateLimits
-from servicekit.contract.api import ModelInfo, Usage
-from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError, error_for_code
+from servicekit.contract.api import ModelInfo
+from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, truncate_prompt
-from servicekit.contract.sampling_params import SamplingParams
-from servicekit.contract.step import FinishReason
 from servicekit.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class _Reading:
+    """One call's reading of an admitted request: its subscription, its chunk assembler, and the
+    accounting of what it was sent (tokens charged to the key, metrics, whether it finished)."""
+
+    __slots__ = ("assembler", "finished", "owner", "request_id", "sub", "timer", "_tokens_per_key")
+
+    def __init__(self, request_id: str, sub: Subscription, assembler: ChunkAssembler, owner: str,
+                 tokens_per_key: TokenRateLimits, timer) -> None:
+        self.request_id = request_id
+        self.sub = sub
+        self.assembler = assembler
+        self.owner = owner
+        self._tokens_per_key = tokens_per_key
+        self.timer = timer
+        self.finished = False  # its last chunk was made, or its stream ended with an error of its own
+
+    async def next_records(self) -> list[bytes]:
+        try:
+            return await self.sub.get()
+        except PagedServeError:
+            # Redis away (the request lives on; the client resumes it by id), the request's own final
+            # error record, or a slow reader's end (aborted already): nothing to abort either way.
+            self.finished = True
+            raise
+
+    def take(self, records: list[bytes]) -> GenerateChunk | None:
+        """The chunk ``records`` make, accounted for (None: nothing to send yet)."""
+        try:
+            chunk = self.assembler.feed(records)
+        except PagedServeError:
+            self.finished = True
+            raise
+        if chunk is None:
+            return None
+        self._tokens_per_key.charge(self.owner, len(chunk.token_ids))
+        if chunk.finish_reason is not None:
+            self.finished = True
+            log.info("request %s finished (%s): %d tokens", self.request_id, chunk.finish_reason,
+                     self.assembler.num_tokens)
+        if self.timer is not None:
+            self.timer.chunk(chunk)
+        return chunk
 
 
 class GenerationService:
@@ -157,6 +201,50 @@ class GenerationService:
         iterator early (client gone, deadline) aborts the request when no other call reads it.
         ``owner``: the digest of the caller's API key; the request belongs to it, and only the
         same key may resume it (``""``: no keys configured)."""
+        async with self._reading(inp, timeout_s, owner) as reading:
+            while not reading.assembler.done:
+                chunk = reading.take(await reading.next_records())
+                if chunk is not None:
+                    yield chunk
+
+    async def generate_to(self, inp: GenerateInput, emit: Callable[[GenerateChunk], None], *,
+                          timeout_s: float | None = None, owner: str = "") -> None:
+        """:meth:`generate`, with each chunk handed to ``emit`` as its records arrive, inside the
+        output fanout's task: no task of this request wakes per chunk (GenerateMany's way, many
+        requests to one call). Returns after the last chunk; cancelling it is closing a
+        :meth:`generate` early. ``emit`` may raise :class:`SlowReaderError` (its client is too far
+        behind): the request is then aborted and this raises it."""
+        async with self._reading(inp, timeout_s, owner) as reading:
+            done = asyncio.get_running_loop().create_future()
+
+            def on_delivery(item: list[bytes] | BaseException) -> None:
+                if done.done():
+                    return
+                try:
+                    if isinstance(item, BaseException):
+                        raise item
+                    chunk = reading.take(item)
+                    if chunk is not None:
+                        emit(chunk)
+                    if reading.assembler.done:
+                        done.set_result(None)
+                except SlowReaderError as exc:
+                    self._on_slow_reader(reading.request_id)
+                    reading.finished = True
+                    done.set_exception(exc)
+                except PagedServeError as exc:  # see next_records
+                    reading.finished = True
+                    done.set_exception(exc)
+                except Exception as exc:  # noqa: BLE001 - never into the fanout's loop
+                    done.set_exception(exc)
+
+            reading.sub.listen(on_delivery)
+            await done
+
+    @asynccontextmanager
+    async def _reading(self, inp: GenerateInput, timeout_s: float | None, owner: str):
+        """Admit (or join) the request, yield its :class:`_Reading`, and on the way out leave it:
+        aborting it when it did not finish and no other call reads it."""
         if self.draining:
             raise UnavailableError("the gateway is draining; use another replica")
         deadline = time.time() + timeout_s if timeout_s else 0.0  # from the call's start, tokenizing included
@@ -177,8 +265,8 @@ class GenerationService:
         # for a client gone); the call ends with RESOURCE_EXHAUSTED when, or if, its client reads on.
         sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered,
                                      on_overflow=lambda: self._on_slow_reader(request_id))
-        reading = finished = False  # reading: counted among the request's readers in Redis
-        timer = None
+        admitted = False  # counted among the request's readers in Redis
+        reading = None
         try:
             try:
                 if inp.resume_from_index is not None:
@@ -195,88 +283,30 @@ class GenerationService:
                 raise UnavailableError(f"Redis refused the admission ({exc}); retry later") from exc
             except RedisError as exc:
                 raise UnavailableError(f"Redis is unreachable ({type(exc).__name__}); retry later") from exc
-            reading = True
+            admitted = True
             if inp.resume_from_index is None:
                 self._tokens_per_key.charge(owner, len(prompt_ids))
-            timer = self._metrics.start() if self._metrics is not None else None
             log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
                      params.max_tokens)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
-            try:
-                async for chunk in self._stream(request_id, sub, prompt_ids, params, inp):
-                    self._tokens_per_key.charge(owner, len(chunk.token_ids))
-                    if chunk.finish_reason is not None:
-                        finished = True
-                    if timer is not None:
-                        timer.chunk(chunk)
-                    yield chunk
-            except PagedServeError:
-                # Redis away (the request lives on; the client resumes it by id), or the request's
-                # own final error record: nothing to abort either way.
-                finished = True
-                raise
+            assembler = ChunkAssembler(
+                request_id, self.tokenizer.hf, prompt_ids, params, resume_from_index=inp.resume_from_index,
+                skip_special_tokens=not inp.include_special_tokens,
+                on_stop_string=lambda: self._in_background(self._abort(request_id)))
+            reading = _Reading(request_id, sub, assembler, owner, self._tokens_per_key,
+                               self._metrics.start() if self._metrics is not None else None)
+            yield reading
         finally:
             self._fanout.unsubscribe(sub)
-            if reading:
+            if admitted:
+                finished = reading is not None and reading.finished
                 if not finished:
                     log.info("request %s left by a client: aborting it unless another call reads it", request_id)
-                    if timer is not None:
-                        timer.client_left()
+                    if reading is not None and reading.timer is not None:
+                        reading.timer.client_left()
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
             self._per_key.release(owner)
-
-    async def _stream(self, request_id: str, sub: Subscription, prompt_ids: list[int], params: SamplingParams,
-                      inp: GenerateInput) -> AsyncIterator[GenerateChunk]:
-        output_text = OutputText(self.tokenizer.hf, prompt_ids, params.stop,
-                                 skip_special_tokens=not inp.include_special_tokens)
-        start = inp.resume_from_index or 0  # tokens below it were delivered before: not sent again
-        next_index = 0  # every record token below it was seen (repeats after failover are dropped)
-        num_cached = 0
-        num_prompt = len(prompt_ids)
-        while True:
-            chunk = GenerateChunk(request_id=request_id, first_index=max(next_index, start), num_prompt_tokens=num_prompt)
-            text: list[str] = []
-            finish: FinishReason | None = None
-            for data in await sub.get():
-                record = convert.output_record_from_bytes(data)
-                if record.error_message:  # the scheduler refused or lost it, and says with which code
-                    raise error_for_code(record.error_code, f"request {request_id}: {record.error_message}",
-                                         field=record.error_field)
-                num_cached = max(num_cached, record.num_cached_tokens)
-                for j, token in enumerate(record.token_ids):
-                    index = record.first_index + j
-                    if index < next_index:
-                        continue
-                    next_index = index + 1
-                    piece, stop = output_text.add(token)
-                    if index >= start:
-                        chunk.token_ids.append(token)
-                        text.append(piece)
-                        if record.logprobs:
-                            chunk.logprobs.append(record.logprobs[j])
-                    if stop is not None:
-                        finish, chunk.stop_string = FinishReason.STOP, stop
-                        # The scheduler does not know stop strings; every reader sees the same stop.
-                        self._in_background(self._abort(request_id))
-                        break
-                if finish is None and record.finish_reason is not None:
-                    finish = record.finish_reason
-                    piece, stop = output_text.finish()
-                    text.append(piece)
-                    if stop is not None:
-                        finish, chunk.stop_string = FinishReason.STOP, stop
-                if finish is not None:
-                    break
-            chunk.text = "".join(text)
-            if finish is not None:
-                chunk.finish_reason = finish
-                chunk.usage = Usage(num_prompt, next_index, num_cached)
-                log.info("request %s finished (%s): %d tokens", request_id, finish, next_index)
-                yield chunk
-                return
-            if chunk.token_ids or chunk.text:
-                yield chunk
 
     # -- aborts and draining --------------------------------------------------------------------------
 

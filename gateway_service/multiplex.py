@@ -1,14 +1,15 @@
 """One GenerateMany call: many generations multiplexed over one gRPC stream.
 
-Each generation runs as a Generate call would (:meth:`GenerationService.generate`, the same
-admission, readers, resumes and aborts) in a task of its own; its chunks and its ending become
-events, and the call sends every event that is ready in one response. With N generations in
-flight that is one message per engine step instead of N, which is most of the gateway's and the
-client's per-token gRPC work (and their wake-ups, which preempt the worker on a shared CPU).
+Each generation runs as a Generate call would (:meth:`GenerationService.generate_to`: the same
+admission, readers, resumes and aborts) in a task of its own, which sleeps while the request runs:
+its chunks are made in the output fanout's task as their records arrive and become events, and
+the call sends every event that is ready in one response. With N generations in flight that is
+one message per engine step instead of N, and no task wake per chunk — most of the gateway's and
+the client's per-token work (and their wake-ups, which preempt the worker on a shared CPU).
 
-Flow control: the events waiting for the client are bounded (``max_buffered``); a generation whose
-event finds no room waits, so its own output buffer fills and it is cut off as a slow reader, as a
-Generate call whose client stops reading is.
+Flow control: each generation's chunks waiting for the client are bounded (``max_buffered``); a
+generation whose chunk finds no room is aborted and ends RESOURCE_EXHAUSTED, as a Generate call
+whose client stops reading is.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from contextlib import aclosing
 
 from gateway_service import convert
 from gateway_service.generation import GenerationService
+from gateway_service.output_fanout import SlowReaderError
 from servicekit.contract.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -63,7 +64,8 @@ class GenerateManyCall:
         self._tasks: dict[int, asyncio.Task] = {}  # generations running, by stream id
         self._queued: dict[int, tuple] = {}  # started past max_open: (request, deadline), in order
         self._events: asyncio.Queue = asyncio.Queue()
-        self._room = asyncio.Semaphore(max(1, max_buffered))  # events queued and not yet sent
+        self._max_buffered = max(1, max_buffered)
+        self._buffered: dict[int, int] = {}  # stream id -> its chunk events queued and not yet sent
         self._reading = True
         self._failure: BaseException | None = None  # a malformed request: fails the whole call
 
@@ -84,7 +86,7 @@ class GenerateManyCall:
                         event, counted = item
                         events.append(event)
                         if counted:
-                            self._room.release()
+                            self._sent_one(event.stream_id)
                     if len(events) >= MAX_EVENTS_PER_RESPONSE or self._events.empty():
                         break
                     item = self._events.get_nowait()
@@ -166,23 +168,37 @@ class GenerateManyCall:
         try:
             async with deadline:
                 timeout = None if deadline_at is None else max(1e-3, deadline_at - asyncio.get_running_loop().time())
-                stream = self._service.generate(convert.generate_input_from_pb(request), timeout_s=timeout,
-                                                owner=self._owner)
-                async with aclosing(stream) as chunks:
-                    async for chunk in chunks:
-                        await self._put(generation_pb2.GenerateManyEvent(stream_id=sid,
-                                                                        response=convert.chunk_to_pb(chunk)))
+                await self._service.generate_to(convert.generate_input_from_pb(request), self._emitter(sid),
+                                                timeout_s=timeout, owner=self._owner)
         except asyncio.CancelledError:
             pass  # cancelled by its client, or the call ends: nobody waits for an event
         except TimeoutError as exc:
-            await self._put(error_event(sid, DeadlineExceededError("Deadline Exceeded") if deadline.expired() else exc))
+            self._end_with(sid, DeadlineExceededError("Deadline Exceeded") if deadline.expired() else exc)
         except Exception as exc:
-            await self._put(error_event(sid, exc))
+            self._end_with(sid, exc)
         finally:
             self._tasks.pop(sid, None)
             self._launch_queued()
             self._events.put_nowait(_ENDED)
 
-    async def _put(self, event: generation_pb2.GenerateManyEvent) -> None:
-        await self._room.acquire()
-        self._events.put_nowait((event, True))
+    def _emitter(self, sid: int):
+        """What ``sid``'s chunks go through (in the output fanout's task): into the next response."""
+        def emit(chunk) -> None:
+            waiting = self._buffered.get(sid, 0)
+            if waiting >= self._max_buffered:
+                raise SlowReaderError(f"the client fell {waiting} chunks behind (limit {self._max_buffered}, "
+                                      "--max-buffered-outputs); the request was aborted")
+            self._buffered[sid] = waiting + 1
+            self._events.put_nowait((generation_pb2.GenerateManyEvent(stream_id=sid,
+                                                                      response=convert.chunk_to_pb(chunk)), True))
+        return emit
+
+    def _sent_one(self, sid: int) -> None:
+        waiting = self._buffered[sid] - 1
+        if waiting:
+            self._buffered[sid] = waiting
+        else:
+            del self._buffered[sid]
+
+    def _end_with(self, sid: int, exc: BaseException) -> None:
+        self._events.put_nowait((error_event(sid, exc), False))

@@ -49,7 +49,7 @@ class Subscription:
     more: ``overflowed`` is set, :class:`SlowReaderError` is queued and ``on_overflow`` called, so
     the call can be ended at once rather than when its client reads again."""
 
-    __slots__ = ("key", "last_id", "max_pending", "on_overflow", "overflowed", "pending", "queue")
+    __slots__ = ("key", "last_id", "listener", "max_pending", "on_overflow", "overflowed", "pending", "queue")
 
     def __init__(self, key: str, start_id: str = "0-0", *, max_pending: int = 0, on_overflow=None) -> None:
         self.key = key
@@ -59,8 +59,23 @@ class Subscription:
         self.pending = 0
         self.overflowed = False
         self.on_overflow = on_overflow
+        self.listener = None  # see listen()
+
+    def listen(self, listener) -> None:
+        """Hand every delivery (a list of records, or the error that ends the stream) to
+        ``listener(item)`` as it happens, in the fanout's task, instead of queueing it for
+        :meth:`get`: no task wakes per delivery. What was queued already is handed over first."""
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if not isinstance(item, BaseException):
+                self.pending -= len(item)
+            listener(item)
+        self.listener = listener
 
     def deliver(self, records: list[bytes]) -> None:
+        if self.listener is not None:
+            self.listener(records)
+            return
         if self.overflowed:
             return
         if self.max_pending and self.pending + len(records) > self.max_pending:
@@ -73,6 +88,13 @@ class Subscription:
             return
         self.pending += len(records)
         self.queue.put_nowait(records)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (after what was delivered before it)."""
+        if self.listener is not None:
+            self.listener(error)
+        else:
+            self.queue.put_nowait(error)
 
     async def get(self) -> list[bytes]:
         """Every record delivered since the last call, waiting for at least one."""
@@ -184,10 +206,10 @@ class OutputFanout:
         for sub, found in zip(subs, exists):
             if not found:
                 log.warning("%s vanished in the Redis restart", sub.key)
-                sub.queue.put_nowait(UnavailableError("the request was lost in a Redis restart; retry it"))
+                sub.fail(UnavailableError("the request was lost in a Redis restart; retry it"))
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every current subscription (their streams end with ``error``): Redis away too long,
         or a drain whose grace passed."""
         for sub in self._all_subs():
-            sub.queue.put_nowait(error)
+            sub.fail(error)

@@ -239,3 +239,99 @@ async def test_an_undecodable_message_fails_the_call_with_invalid_argument(stack
                 pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(info.value.trailing_metadata() or ()).get("pagedserve-field") == "request"
+
+
+async def test_a_generation_whose_client_fell_behind_is_aborted(stack):
+    """generate_to's emit raising SlowReaderError (GenerateMany's bound on the chunks waiting for a
+    client) aborts the request, as a Generate stream's overflowing buffer does."""
+    from gateway_service.messages import GenerateInput
+    from gateway_service.output_fanout import SlowReaderError
+    from servicekit.contract.sampling_params import SamplingParams
+
+    before = (await scheduler_stats(stack.scheduler_address)).num_aborted
+    sent = []
+
+    def emit(chunk):
+        if len(sent) == 3:
+            raise SlowReaderError("the client fell 3 chunks behind")
+        sent.append(chunk)
+
+    inp = GenerateInput(SamplingParams(max_tokens=400, ignore_eos=True), prompt_token_ids=[31, 32, 33])
+    with pytest.raises(SlowReaderError):
+        await stack.gateway.service.generate_to(inp, emit)
+    assert [c.first_index for c in sent] == [0, sum(len(c.token_ids) for c in sent[:1]),
+                                             sum(len(c.token_ids) for c in sent[:2])]
+    await wait_until_kv_free(stack.scheduler_address)
+    assert (await scheduler_stats(stack.scheduler_address)).num_aborted == before + 1
+    assert stack.gateway.service.in_flight == 0
+
+
+class _Chatty:
+    """A GenerationService stand-in whose generations emit 10 chunks at once (the writer gets no
+    turn in between, as when a client stops reading and the call's writes stall)."""
+
+    draining = False
+
+    async def wait_draining(self):
+        await asyncio.Event().wait()
+
+    async def generate_to(self, inp, emit, *, timeout_s=None, owner=""):
+        from gateway_service.messages import GenerateChunk
+
+        for i in range(10):
+            emit(GenerateChunk(request_id="r", token_ids=[i], first_index=i))
+
+
+async def test_each_generations_waiting_chunks_are_bounded():
+    from gateway_service.multiplex import GenerateManyCall
+
+    call = GenerateManyCall(_Chatty(), max_open=8, max_buffered=4)
+
+    async def requests():
+        yield start(1, [1, 2], 10)
+        yield start(2, [1, 2], 10)
+
+    events: dict[int, list] = {}
+    async for response in call.responses(requests()):
+        for event in response.events:
+            events.setdefault(event.stream_id, []).append(event)
+    for sid in (1, 2):  # four chunks each, then the cut
+        assert [e.response.first_index for e in events[sid][:-1]] == [0, 1, 2, 3]
+        assert events[sid][-1].error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "--max-buffered-outputs" in events[sid][-1].error_details
+
+
+async def test_a_client_that_stops_reading_has_its_generations_cut_off_and_aborted(stack, hf_tokenizer):
+    """Through a real call whose client reads nothing (a 1 KiB HTTP/2 window, so the gateway's
+    writes stall): past --max-buffered-outputs chunks the requests are aborted without waiting for
+    the client, which then gets what was sent and RESOURCE_EXHAUSTED."""
+    from gateway_service.main import GatewayApp
+    from gateway_service.settings import GatewaySettings
+
+    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=-1, redis_url=stack.redis_url,
+                                         max_buffered_outputs=4), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    before = (await scheduler_stats(stack.scheduler_address)).num_aborted
+    try:
+        options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}", options=options) as channel:
+            raw = RawCall(channel)
+            for sid in range(1, 5):
+                msg = start(sid, [21, 22, sid], 400)
+                msg.start.sampling_params.logprobs = 20  # big events: the window fills soon
+                raw.send(msg)
+            for _ in range(300):  # read nothing until the scheduler aborted them (at most 30 s)
+                if (await scheduler_stats(stack.scheduler_address)).num_aborted >= before + 4:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("a call whose client reads nothing kept its generations running")
+            events = await raw.until_ended(range(1, 5))
+            raw.half_close()
+    finally:
+        await gateway.drain(grace_s=1)
+    for sid in range(1, 5):
+        *chunks, last = events[sid]
+        assert last.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "--max-buffered-outputs" in last.error_details
+        assert len(tokens_of(chunks)) < 400  # what was sent before the cut: in order, none repeated
