@@ -19,6 +19,7 @@ import logging
 import grpc
 
 from servicekit.proto.pb import generation_pb2
+from servicekit.proto.status import FIELD_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ CLOSE_WAIT_S = 1.0  # a closing client waits this long for the gateway to end a 
 
 def stream_error(code: grpc.StatusCode, details: str, field: str = "") -> grpc.aio.AioRpcError:
     """A failed stream as the failed Generate call it stands for."""
-    trailing = grpc.aio.Metadata(("pagedserve-field", field)) if field else grpc.aio.Metadata()
+    trailing = grpc.aio.Metadata((FIELD_METADATA_KEY, field)) if field else grpc.aio.Metadata()
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
