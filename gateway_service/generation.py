@@ -28,8 +28,8 @@ from contextlib import asynccontextmanager
 from redis.exceptions import RedisError, ResponseError
 
 from gateway_service import convert
-from gateway_service.messages import GenerateChunk, GenerateInput
 from gateway_service.chunks import ChunkAssembler
+from gateway_service.messages import GenerateChunk, GenerateInput
 from gateway_service.metrics import GatewayMetrics
 from gateway_service.model_limits import ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, SlowReaderError, Subscription
@@ -228,11 +228,9 @@ class GenerationService:
                         emit(chunk)
                     if reading.assembler.done:
                         done.set_result(None)
-                except SlowReaderError as exc:
-                    self._on_slow_reader(reading.request_id)
-                    reading.finished = True
-                    done.set_exception(exc)
-                except PagedServeError as exc:  # see next_records
+                except PagedServeError as exc:  # see next_records: nothing to abort, but a slow reader
+                    if isinstance(exc, SlowReaderError):  # (emit's refusal) whose request runs on
+                        self._on_slow_reader(reading.request_id)
                     reading.finished = True
                     done.set_exception(exc)
                 except Exception as exc:  # noqa: BLE001 - never into the fanout's loop

@@ -87,18 +87,15 @@ class IncrementalDetokenizer:
     of all tokens added, decoded in the context of the prompt's last tokens."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], *, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._backend_decode = backend_decode(tokenizer)
+        self._decode_with = backend_decode(tokenizer) or tokenizer.decode  # (ids, skip_special_tokens=...)
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._ids = context
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = len(context)  # tokens before this are released as text
 
     def _decode(self, ids: list[int]) -> str:
-        if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=self._skip)
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._decode_with(ids, skip_special_tokens=self._skip)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""

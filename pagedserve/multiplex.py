@@ -93,10 +93,6 @@ class GenerateManyCall:
     def usable(self) -> bool:
         return self.broken is None and len(self._streams) < MAX_STREAMS_PER_CALL
 
-    @property
-    def unimplemented(self) -> bool:
-        return self.broken is not None and self.broken.code() == grpc.StatusCode.UNIMPLEMENTED
-
     def open(self, request: generation_pb2.GenerateRequest, timeout: float | None) -> MultiplexedStream:
         stream_id = next(self._ids)
         stream = MultiplexedStream(self, stream_id, timeout)
@@ -173,11 +169,9 @@ class GenerateManyPool:
 
     def open(self, address_index: int, request, timeout: float | None) -> MultiplexedStream | None:
         """A stream on the gateway at ``address_index``; None when that gateway lacks GenerateMany."""
-        calls = self._calls[address_index]
-        if any(c.unimplemented for c in calls):
-            self.unimplemented[address_index] = True
-        if self.unimplemented[address_index]:
+        if self.unimplemented[address_index]:  # set by the stream that met UNIMPLEMENTED (AsyncStream)
             return None
+        calls = self._calls[address_index]
         calls[:] = [c for c in calls if c.broken is None]
         call = next((c for c in calls if c.usable), None)
         if call is None:

@@ -41,7 +41,6 @@ def caller_key_check() -> Callable[[], str]:
     return _caller_check.get()
 
 
-
 def _service_of(method: str) -> str:
     """``/pkg.Service/Method`` -> ``pkg.Service``."""
     return method.lstrip("/").partition("/")[0]
