@@ -210,9 +210,15 @@ def run_llm(llm, requests: list[BenchRequest], temperature: float) -> tuple[list
 
 
 class CpuAccount:
-    """CPU seconds (user + system) each process of the run spent from now on: the stack's services
-    (when this script started them) and this client. On a 2-core machine every second the others
-    spend is a second the worker's GEMMs wait for."""
+    """CPU seconds each process of the run spent from now on: the stack's services (when this script
+    started them) and this client. On a 2-core machine every second the others spend is a second the
+    worker's GEMMs wait for.
+
+    On Linux the figures are the scheduler's own per-thread accounts (``/proc/PID/task/*/schedstat``,
+    nanoseconds): exact, where ``/proc/PID/stat``'s tick samples overcharge processes that wake on
+    timers. They also give each process's *run-queue wait*: seconds its threads were ready to run but
+    had no CPU (for the worker: how long its forward pass was held up by the other processes).
+    Elsewhere: psutil's user + system times, and no wait figure."""
 
     def __init__(self, stack) -> None:
         import psutil
@@ -223,12 +229,30 @@ class CpuAccount:
         self._start = {name: self._total(p) for name, p in self._procs.items()}
 
     @staticmethod
-    def _total(proc) -> float:
-        t = proc.cpu_times()
-        return t.user + t.system
+    def _total(proc) -> tuple[float, float | None]:
+        """(CPU seconds, run-queue wait seconds or None) of every live thread of ``proc``."""
+        try:
+            cpu_ns = wait_ns = 0
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                    on_cpu, waited, _ = f.read().split()
+                cpu_ns += int(on_cpu)
+                wait_ns += int(waited)
+            return cpu_ns / 1e9, wait_ns / 1e9
+        except (OSError, ValueError):
+            t = proc.cpu_times()
+            return t.user + t.system, None
 
-    def seconds(self) -> dict[str, float]:
-        return {name: round(self._total(p) - self._start[name], 2) for name, p in self._procs.items()}
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(CPU seconds, run-queue wait seconds) per process since the start; the second is empty
+        where the platform does not account waits. A thread that ended meanwhile is not counted."""
+        cpu, waits = {}, {}
+        for name, p in self._procs.items():
+            (now_cpu, now_wait), (start_cpu, start_wait) = self._total(p), self._start[name]
+            cpu[name] = round(now_cpu - start_cpu, 2)
+            if now_wait is not None and start_wait is not None:
+                waits[name] = round(now_wait - start_wait, 2)
+        return cpu, waits
 
 
 def report(summary: dict) -> str:
@@ -244,8 +268,12 @@ def report(summary: dict) -> str:
         lines.append(f"{label:<5} ms  mean {p['mean'] * 1e3:8.1f}  median {p['median'] * 1e3:8.1f}  "
                      f"p99 {p['p99'] * 1e3:8.1f}")
     if summary.get("cpu_seconds"):
-        lines.append("CPU seconds during the run: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["cpu_seconds"].items())
+        lines.append("CPU seconds during the run: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in summary["cpu_seconds"].items())
                      + f" (wall {summary['duration_s']:.1f} s x {os.cpu_count()} CPUs)")
+    if summary.get("cpu_wait_seconds"):
+        lines.append("seconds ready to run but waiting for a CPU: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in summary["cpu_wait_seconds"].items()))
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")
     return "\n".join(lines)
@@ -362,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 results, duration = asyncio.run(run_stack(address, round_requests, args.request_rate,
                                                           args.temperature, args.seed, args.multiplex == "on"))
                 summaries.append(summarize("stack (gRPC SDK)" + label, results, duration))
-                summaries[-1]["cpu_seconds"] = cpu.seconds()
+                summaries[-1]["cpu_seconds"], summaries[-1]["cpu_wait_seconds"] = cpu.take()
                 print(report(summaries[-1]), flush=True)
             if args.backend in ("openai", "both"):
                 http_requests = (fresh_tokens(round_requests, vocab_size, args.seed + 1) if args.backend == "both"
@@ -383,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = CpuAccount(None)
                 llm_results, llm_duration = run_llm(llm, round_requests, args.temperature)
                 summaries.append(summarize("LLM (in-process)" + label, llm_results, llm_duration))
-                summaries[-1]["cpu_seconds"] = cpu.seconds()
+                summaries[-1]["cpu_seconds"], summaries[-1]["cpu_wait_seconds"] = cpu.take()
                 print(report(summaries[-1]))
                 ratio = served["output_token_throughput"] / max(summaries[-1]["output_token_throughput"], 1e-9)
                 pairs.append(ratio)
