@@ -2,8 +2,10 @@
 runner (DESIGN.md decisions 3 and 10).
 
 The runner is blocking torch code; every call into it runs on one dedicated thread, so the event
-loop keeps answering health checks and moving stream messages during a long forward pass. One
-Step stream at a time: the worker's persistent batch mirrors exactly one scheduler's state.
+loop keeps answering health checks and moving stream messages during a long forward pass. A Step
+stream's steps run there back to back: the event loop decodes each step as it arrives and queues
+it, and sends each output back. One Step stream at a time: the worker's persistent batch mirrors
+exactly one scheduler's state.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import functools
 import logging
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import Protocol
 
 from servicekit.contract.errors import FailedPreconditionError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
@@ -83,9 +86,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         steps: queue.SimpleQueue = queue.SimpleQueue()  # to the runner thread; None ends its loop
         self._steps = steps
         results: asyncio.Queue = asyncio.Queue()  # from it: (step id, output, seconds), an error, or None (done)
-        reader = loop.create_task(self._receive_steps(request_iterator, steps, results))
-        loop.run_in_executor(self._executor, self._run_steps, steps, functools.partial(_post, loop, results))
+        reader = None
         try:
+            loop.run_in_executor(self._executor, self._run_steps, steps, functools.partial(_post, loop, results))
+            reader = loop.create_task(self._receive_steps(request_iterator, steps, results))
             while (item := await results.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
@@ -97,7 +101,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise
             # The server stops under an open stream (the end of a drain): not an error.
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             steps.put(None)  # the runner's loop ends after the steps already received
             log.info("scheduler %s disconnected; dropping %d requests", peer, len(self._live))
             # Taken now, before the next stream can add requests; run on the runner thread after
