@@ -15,7 +15,7 @@ import pytest
 
 from tests.services.test_worker_reset import INFO
 from worker_service.config import ModelRunnerConfig
-from worker_service.grpc_server import WorkerServicer, build_server
+from worker_service.grpc_server import WorkerServicer
 from worker_service.main import WorkerApp, WorkerSettings
 from worker_service.simulated_runner import SimulatedRunner
 
@@ -69,18 +69,12 @@ async def test_a_step_sent_ahead_is_decoded_while_the_one_before_runs():
     through the event loop between them), and the outputs come back in order."""
     from scheduler_service.core.config import SchedulerConfig
     from scheduler_service.core.scheduler import Scheduler
-    from scheduler_service.worker_client import connect
+    from tests.services.test_async_worker_failure import served
     from tests.services.test_engine_loop import make_request
 
     runner = WaitingForTheNextStep()
-    servicer = WorkerServicer(runner, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64)
-    runner.servicer = servicer
-    server = build_server(servicer)
-    port = server.bind("127.0.0.1:0")
-    await server.start()
-    client = None
-    try:
-        client, description = await connect(f"127.0.0.1:{port}")
+    runner.servicer = WorkerServicer(runner, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64)
+    async with served(runner.servicer) as (client, description):
         steps = []
         for rid in ("a", "b"):  # two plans, one new request each
             core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
@@ -89,12 +83,6 @@ async def test_a_step_sent_ahead_is_decoded_while_the_one_before_runs():
         for step in steps:
             await client.send(step)
         outputs = [await asyncio.wait_for(client.receive(), 10) for _ in steps]
-        assert runner.saw_the_next_step is True
-        assert [list(o.sampled_token_ids) for o in outputs] == [["a"], ["b"]]
-        assert len(runner.threads) == 1 and threading.get_ident() not in runner.threads
-    finally:
-        if client is not None:
-            await client.close()
-        servicer.stopping = True
-        await server.drain(0.5)
-        servicer.close()
+    assert runner.saw_the_next_step is True
+    assert [list(o.sampled_token_ids) for o in outputs] == [["a"], ["b"]]
+    assert len(runner.threads) == 1 and threading.get_ident() not in runner.threads
