@@ -2,20 +2,15 @@
 runner (DESIGN.md decisions 3 and 10).
 
 The runner is blocking torch code; every call into it runs on one dedicated thread, so the event
-loop keeps answering health checks and moving stream messages during a long forward pass. A Step
-stream's steps run there back to back: the event loop decodes each step as it arrives and queues
-it, and sends each output back. One Step stream at a time: the worker's persistent batch mirrors
-exactly one scheduler's state.
+loop keeps answering health checks and moving stream messages during a long forward pass. One
+Step stream at a time: the worker's persistent batch mirrors exactly one scheduler's state.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import queue
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
@@ -60,7 +55,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._stream_open = False
-        self._steps: queue.SimpleQueue | None = None  # the open stream's queue to the runner thread
         self.stopping = False  # set when the server stops: a stream broken by that is no error
         self.num_steps = 0
 
@@ -82,68 +76,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = True
         peer = context.peer()
         log.info("scheduler %s connected", peer)
-        loop = asyncio.get_running_loop()
-        steps: queue.SimpleQueue = queue.SimpleQueue()  # to the runner thread; None ends its loop
-        self._steps = steps
-        results: asyncio.Queue = asyncio.Queue()  # from it: (step id, output, seconds), an error, or None (done)
-        reader = None
         try:
-            loop.run_in_executor(self._executor, self._run_steps, steps, functools.partial(_post, loop, results))
-            reader = loop.create_task(self._receive_steps(request_iterator, steps, results))
-            while (item := await results.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                step_id, output, seconds = item
-                self.num_steps += 1
-                yield convert.runner_output_to_pb(step_id, output, seconds)
+            async for msg in request_iterator:
+                scheduler_output = convert.scheduler_output_from_pb(msg)
+                started = time.perf_counter()
+                output = await self._execute(scheduler_output)
+                if self._step_delay_s and scheduler_output.total_num_scheduled_tokens:
+                    await asyncio.sleep(self._step_delay_s)
+                yield convert.runner_output_to_pb(msg.step_id, output, time.perf_counter() - started)
         except Exception:
             if not self.stopping:
                 raise
             # The server stops under an open stream (the end of a drain): not an error.
         finally:
-            if reader is not None:
-                reader.cancel()
-            steps.put(None)  # the runner's loop ends after the steps already received
             log.info("scheduler %s disconnected; dropping %d requests", peer, len(self._live))
             # Taken now, before the next stream can add requests; run on the runner thread after
             # this stream's last step and before the next stream's first (one FIFO thread). Not
             # awaited: the generator may be closing because its task was cancelled.
             drop = self._take_live()
             self._stream_open = False
-            loop.create_task(drop)
-
-    async def _receive_steps(self, request_iterator, steps: queue.SimpleQueue, results: asyncio.Queue) -> None:
-        """Decode each step as it arrives (with asynchronous scheduling, while the step before it
-        runs) and queue it for the runner thread, which starts it the moment the one before ends:
-        no hop through the event loop between two steps."""
-        try:
-            async for msg in request_iterator:
-                scheduler_output = convert.scheduler_output_from_pb(msg)
-                self._track(scheduler_output)
-                steps.put((msg.step_id, scheduler_output))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a broken stream or an undecodable step: the call ends with it
-            results.put_nowait(exc)
-        finally:
-            steps.put(None)
-
-    def _run_steps(self, steps: queue.SimpleQueue, post: Callable[[object], bool]) -> None:
-        """The runner thread's loop for one Step stream: run each received step in order and post
-        its output to the event loop; ends at ``None`` (posting ``None``) or at a failed step."""
-        while (item := steps.get()) is not None:
-            step_id, scheduler_output = item
-            started = time.perf_counter()
-            try:
-                output = self._runner.execute_model(scheduler_output)
-            except BaseException as exc:  # noqa: BLE001 - handed to the stream, which fails with it
-                post(exc)
-                return
-            if self._step_delay_s and scheduler_output.total_num_scheduled_tokens:
-                time.sleep(self._step_delay_s)
-            if not post((step_id, output, time.perf_counter() - started)):
-                return
-        post(None)
+            asyncio.get_running_loop().create_task(drop)
 
     async def Reset(self, request, context):
         # While a scheduler drives this worker its plan mirrors the runner's requests: dropping them
@@ -155,8 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # -- runner calls ---------------------------------------------------------------------------------
 
-    def _track(self, scheduler_output: SchedulerOutput) -> None:
-        """Mirror in ``_live`` the requests the runner holds once ``scheduler_output`` has run."""
+    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         live = self._live
         live.difference_update(scheduler_output.finished_req_ids)
         live.difference_update(scheduler_output.preempted_req_ids)
@@ -165,6 +116,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._idle.clear()
         else:
             self._idle.set()
+        loop = asyncio.get_running_loop()
+        output = await loop.run_in_executor(self._executor, self._runner.execute_model, scheduler_output)
+        self.num_steps += 1
+        return output
 
     async def _drop_all(self) -> int:
         """Finish every live request in the runner (one empty step carrying their ids)."""
@@ -194,18 +149,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._idle.wait()
 
     def close(self) -> None:
-        if self._steps is not None:
-            self._steps.put(None)  # the runner thread never waits on a stream that is gone
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _post(loop: asyncio.AbstractEventLoop, results: asyncio.Queue, item: object) -> bool:
-    """Hand ``item`` from the runner thread to the stream; False once the event loop is closed."""
-    try:
-        loop.call_soon_threadsafe(results.put_nowait, item)
-    except RuntimeError:
-        return False
-    return True
 
 
 def build_server(servicer: WorkerServicer, *, internal_token: str = "") -> ServerLifecycle:

@@ -42,9 +42,10 @@ class FailingRunner(SimulatedRunner):
 
 
 @contextlib.asynccontextmanager
-async def served(servicer: WorkerServicer):
-    """``servicer`` on a worker gRPC server on a free loopback port, and a scheduler's client of it:
+async def failing_worker(fail_at: int):
+    """A worker gRPC server whose runner fails at step ``fail_at``, and a scheduler's client of it:
     (client, its description)."""
+    servicer = WorkerServicer(FailingRunner(fail_at), worker_id="w", max_num_seqs=8, max_num_batched_tokens=64)
     server = build_server(servicer)
     port = server.bind("127.0.0.1:0")
     await server.start()
@@ -58,11 +59,6 @@ async def served(servicer: WorkerServicer):
         servicer.stopping = True
         await server.drain(0.5)
         servicer.close()
-
-
-def failing_worker(fail_at: int):
-    """A worker whose runner fails at step ``fail_at`` (see :func:`served`)."""
-    return served(WorkerServicer(FailingRunner(fail_at), worker_id="w", max_num_seqs=8, max_num_batched_tokens=64))
 
 
 @pytest.mark.parametrize("fail_at", [2, 3, 4, 5, 6, 7])
