@@ -232,16 +232,22 @@ class CpuAccount:
     def _total(proc) -> tuple[float, float | None]:
         """(CPU seconds, run-queue wait seconds or None) of every live thread of ``proc``."""
         try:
-            cpu_ns = wait_ns = 0
-            for tid in os.listdir(f"/proc/{proc.pid}/task"):
-                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
-                    on_cpu, waited, _ = f.read().split()
-                cpu_ns += int(on_cpu)
-                wait_ns += int(waited)
-            return cpu_ns / 1e9, wait_ns / 1e9
-        except (OSError, ValueError):
+            tids = os.listdir(f"/proc/{proc.pid}/task")
+            with open(f"/proc/{proc.pid}/task/{tids[0]}/schedstat") as f:
+                f.read()
+        except (OSError, IndexError):  # not Linux, or no schedstat in this kernel
             t = proc.cpu_times()
             return t.user + t.system, None
+        cpu_ns = wait_ns = 0
+        for tid in tids:
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
+                    on_cpu, waited, _ = f.read().split()
+            except OSError:
+                continue  # the thread ended meanwhile
+            cpu_ns += int(on_cpu)
+            wait_ns += int(waited)
+        return cpu_ns / 1e9, wait_ns / 1e9
 
     def take(self) -> tuple[dict[str, float], dict[str, float]]:
         """(CPU seconds, run-queue wait seconds) per process since the start; the second is empty
