@@ -57,11 +57,18 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput
         continue_final_message=msg.chat.continue_final_message)
 
 
-def chunk_to_pb(chunk: GenerateChunk) -> generation_pb2.GenerateResponse:
-    msg = generation_pb2.GenerateResponse(
-        request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids,
-        first_index=chunk.first_index, finish_reason=FINISH_REASON_TO_PB[chunk.finish_reason],
-        stop_string=chunk.stop_string)
+def chunk_to_pb(chunk: GenerateChunk,
+                msg: generation_pb2.GenerateResponse | None = None) -> generation_pb2.GenerateResponse:
+    """``chunk`` as a GenerateResponse, written into ``msg`` when given (a field of a larger message,
+    filled in place rather than copied in)."""
+    if msg is None:
+        msg = generation_pb2.GenerateResponse()
+    msg.request_id = chunk.request_id
+    msg.text = chunk.text
+    msg.token_ids.extend(chunk.token_ids)
+    msg.first_index = chunk.first_index
+    msg.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
+    msg.stop_string = chunk.stop_string
     if chunk.logprobs:
         logprobs_to_pb(chunk.logprobs, msg.logprobs)
     if chunk.usage is not None:

@@ -20,12 +20,13 @@ import math
 
 from gateway_service import convert
 from gateway_service.generation import GenerationService
+from gateway_service.messages import GenerateChunk
 from gateway_service.output_fanout import SlowReaderError
 from servicekit.contract.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     PagedServeError,
-        UnavailableError,
+    UnavailableError,
 )
 from servicekit.grpc_auth import caller_key_check, caller_key_digest
 from servicekit.proto.pb import generation_pb2
@@ -63,7 +64,7 @@ class GenerateManyCall:
         self._check_key = caller_key_check()  # and must still be valid when each one starts
         self._tasks: dict[int, asyncio.Task] = {}  # generations running, by stream id
         self._queued: dict[int, tuple] = {}  # started past max_open: (request, deadline), in order
-        self._events: asyncio.Queue = asyncio.Queue()
+        self._events: asyncio.Queue = asyncio.Queue()  # (stream id, GenerateChunk or ending event) or _ENDED
         self._max_buffered = max(1, max_buffered)
         self._buffered: dict[int, int] = {}  # stream id -> its chunk events queued and not yet sent
         self._reading = True
@@ -77,21 +78,24 @@ class GenerateManyCall:
             while True:
                 item = await self._events.get()
                 await asyncio.sleep(0)  # the other generations woken by the same step add theirs
-                events = []
+                response = generation_pb2.GenerateManyResponse()
+                events = response.events
                 while True:
                     if item is _ENDED:
                         if self._failure is not None:
                             raise self._failure
                     else:
-                        event, counted = item
-                        events.append(event)
-                        if counted:
-                            self._sent_one(event.stream_id)
+                        sid, payload = item
+                        if isinstance(payload, GenerateChunk):  # written into the response, not copied
+                            convert.chunk_to_pb(payload, events.add(stream_id=sid).response)
+                            self._sent_one(sid)
+                        else:  # a generation's ending
+                            events.append(payload)
                     if len(events) >= MAX_EVENTS_PER_RESPONSE or self._events.empty():
                         break
                     item = self._events.get_nowait()
                 if events:
-                    yield generation_pb2.GenerateManyResponse(events=events)
+                    yield response
                 if not self._tasks and not self._queued and self._events.empty():
                     if not self._reading:
                         return  # the client half-closed and every generation ended
@@ -141,12 +145,12 @@ class GenerateManyCall:
         try:
             self._check_key()
         except PagedServeError as exc:  # the key was revoked since the call began
-            self._events.put_nowait((error_event(sid, exc), False))
+            self._events.put_nowait((sid, error_event(sid, exc)))
             return
         timeout = msg.timeout_s
         if not math.isfinite(timeout) or timeout < 0:
-            self._events.put_nowait((error_event(sid, InvalidArgumentError(
-                "timeout_s", f"must be a finite number of seconds >= 0, got {timeout}")), False))
+            self._events.put_nowait((sid, error_event(sid, InvalidArgumentError(
+                "timeout_s", f"must be a finite number of seconds >= 0, got {timeout}"))))
             return
         deadline = asyncio.get_running_loop().time() + timeout if timeout else None
         if len(self._tasks) >= self._max_open:
@@ -189,8 +193,7 @@ class GenerateManyCall:
                 raise SlowReaderError(f"the client fell {waiting} chunks behind (limit {self._max_buffered}, "
                                       "--max-buffered-outputs); the request was aborted")
             self._buffered[sid] = waiting + 1
-            self._events.put_nowait((generation_pb2.GenerateManyEvent(stream_id=sid,
-                                                                      response=convert.chunk_to_pb(chunk)), True))
+            self._events.put_nowait((sid, chunk))
         return emit
 
     def _sent_one(self, sid: int) -> None:
@@ -201,4 +204,4 @@ class GenerateManyCall:
             del self._buffered[sid]
 
     def _end_with(self, sid: int, exc: BaseException) -> None:
-        self._events.put_nowait((error_event(sid, exc), False))
+        self._events.put_nowait((sid, error_event(sid, exc)))
