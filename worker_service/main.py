@@ -68,6 +68,9 @@ class WorkerSettings:
     key_prefix: str = key_prefix_setting()
     heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
     drain_grace_s: float = drain_grace_setting()
+    bind_cpu_threads: bool = setting(True, help="CPU worker using every allowed CPU: pin the forward pass's OpenMP "
+                                                "threads one per CPU and the gRPC/event-loop threads to the runner's "
+                                                "CPU (worker_service/cpu_affinity.py)")
     step_delay_s: float = setting(0.0, help="testing only: sleep this long after every step (throttles "
                                             "generation so chaos tests can kill processes mid-generation)")
     # SIMULATION (benchmarks/scale.py only): (a, b) replaces the model by a sleep of a + b x tokens.
@@ -150,6 +153,10 @@ class WorkerApp:
             from worker_service.model_runner import ModelRunner
 
             self._runner = await loop.run_in_executor(runner_thread, ModelRunner, s.runner)
+            if s.bind_cpu_threads and self._runner.device.type == "cpu":
+                from worker_service.cpu_affinity import bind_worker_threads
+
+                log.info("%s", await loop.run_in_executor(runner_thread, bind_worker_threads))
         self.servicer = WorkerServicer(
             self._runner, worker_id=s.worker_id, max_num_seqs=s.runner.max_num_seqs,
             max_num_batched_tokens=s.runner.max_num_batched_tokens, step_delay_s=s.step_delay_s,
