@@ -118,11 +118,14 @@ class WorkerSettings:
 
 class WorkerApp:
     """A running worker: model runner + gRPC server (+ registry heartbeat). ``runner`` may be
-    injected (tests share one loaded model); otherwise it is built from ``settings.runner``."""
+    injected (tests share one loaded model); otherwise it is built from ``settings.runner``.
+    ``whole_process``: the worker is all its process runs (``pagedserve worker``), so it may pin the
+    process's threads (``--bind-cpu-threads``); a worker started inside another program never does."""
 
-    def __init__(self, settings: WorkerSettings, runner=None) -> None:
+    def __init__(self, settings: WorkerSettings, runner=None, *, whole_process: bool = False) -> None:
         self.settings = settings
         self._runner = runner
+        self._whole_process = whole_process
         self.servicer = None
         self.lifecycle = None
         self._heartbeat: Heartbeat | None = None
@@ -153,7 +156,7 @@ class WorkerApp:
             from worker_service.model_runner import ModelRunner
 
             self._runner = await loop.run_in_executor(runner_thread, ModelRunner, s.runner)
-            if s.bind_cpu_threads and self._runner.device.type == "cpu":
+            if self._whole_process and s.bind_cpu_threads and self._runner.device.type == "cpu":
                 from worker_service.cpu_affinity import bind_worker_threads
 
                 log.info("%s", await loop.run_in_executor(runner_thread, bind_worker_threads))
@@ -226,7 +229,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 
 
 def make_app(settings: WorkerSettings) -> WorkerApp:
-    return WorkerApp(settings)
+    return WorkerApp(settings, whole_process=True)
+
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     return service_main("worker", build_parser, settings_from_args, make_app, argv, env)

@@ -8,6 +8,7 @@ cores busy instead of 1.99, the served stack 12 % slower than the in-process eng
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 from worker_service.config import ModelRunnerConfig
@@ -26,11 +27,16 @@ async def test_the_runner_is_built_on_the_thread_that_runs_its_steps(monkeypatch
 
     monkeypatch.setattr(model_runner, "ModelRunner", recording_runner)
     config = ModelRunnerConfig(model=tiny_model_dir, num_blocks=64, max_num_seqs=4, dtype="float32")
+    placement = os.sched_getaffinity(0)
     worker = WorkerApp(WorkerSettings(runner=config, port=0, metrics_port=-1, drain_grace_s=1))
     await worker.start()
     try:
         steps_on = await asyncio.get_running_loop().run_in_executor(worker.servicer._executor, threading.get_ident)
         assert built_on == [steps_on]
         assert steps_on != threading.get_ident()  # not the event loop's thread either
+        # started inside another program (not `pagedserve worker`), it never pins that program's threads
+        assert os.sched_getaffinity(0) == placement
+        assert await asyncio.get_running_loop().run_in_executor(
+            worker.servicer._executor, os.sched_getaffinity, 0) == placement
     finally:
         await worker.drain(1)
