@@ -91,6 +91,8 @@ def confine_others(team: list[int], cpu: int) -> int:
 def bind_worker_threads() -> str:
     """On the runner thread: pin its team and confine the process's other threads (see the module
     docstring); returns what was done, for the worker's start-up log."""
+    if not hasattr(os, "sched_getaffinity") or not os.path.isdir("/proc/self/task"):
+        return "CPU threads not pinned (thread placement is only set on Linux)"
     allowed = os.sched_getaffinity(0)
     cpus = plan(torch.get_num_threads(), allowed)
     if cpus is None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from worker_service import cpu_affinity
 from worker_service.cpu_affinity import plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +26,11 @@ def test_plan_pins_only_one_thread_per_allowed_cpu():
     assert plan(1, {0}) is None  # nothing to keep apart
     assert plan(2, {0, 1, 2, 3}) is None  # fewer threads than CPUs: may share the machine with another worker
     assert plan(4, {0, 1}) is None  # more threads than CPUs: pinning would stack them
+
+
+def test_off_linux_nothing_is_pinned(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert cpu_affinity.bind_worker_threads().startswith("CPU threads not pinned (thread placement is only set on Linux")
 
 
 CHILD = textwrap.dedent("""
