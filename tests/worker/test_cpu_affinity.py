@@ -34,7 +34,7 @@ def test_off_linux_nothing_is_pinned(monkeypatch):
 
 
 CHILD = textwrap.dedent("""
-    import json, os, threading, sys
+    import json, os, threading
     os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:2]))
     import torch
     torch.set_num_threads(2)
@@ -46,12 +46,12 @@ CHILD = textwrap.dedent("""
     runner.submit(lambda: torch.ones(256, 256) @ torch.ones(256, 256)).result()  # the team exists, as after loading
     message = runner.submit(cpu_affinity.bind_worker_threads).result()
     masks = {int(t): sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
-    team = runner.submit(lambda: [threading.get_native_id()]).result()
+    runner_tid = runner.submit(threading.get_native_id).result()
     later = threading.Thread(target=lambda: masks.setdefault("later", sorted(os.sched_getaffinity(0))))
     later.start(); later.join()
     out = runner.submit(lambda: (torch.ones(512, 512) @ torch.ones(512, 512)).sum().item()).result()
     print(json.dumps({"message": message, "masks": {str(k): v for k, v in masks.items()},
-                      "runner": team[0], "main": threading.get_native_id(), "service": service.native_id,
+                      "runner": runner_tid, "main": threading.get_native_id(), "service": service.native_id,
                       "matmul": out}))
 """)
 
