@@ -231,15 +231,11 @@ class CpuAccount:
     @staticmethod
     def _total(proc) -> tuple[float, float | None]:
         """(CPU seconds, run-queue wait seconds or None) of every live thread of ``proc``."""
-        try:
-            tids = os.listdir(f"/proc/{proc.pid}/task")
-            with open(f"/proc/{proc.pid}/task/{tids[0]}/schedstat") as f:
-                f.read()
-        except (OSError, IndexError):  # not Linux, or no schedstat in this kernel
+        if not os.path.exists(f"/proc/{proc.pid}/schedstat"):  # not Linux, or no schedstat in this kernel
             t = proc.cpu_times()
             return t.user + t.system, None
         cpu_ns = wait_ns = 0
-        for tid in tids:
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
             try:
                 with open(f"/proc/{proc.pid}/task/{tid}/schedstat") as f:
                     on_cpu, waited, _ = f.read().split()
