@@ -144,19 +144,21 @@ class GenerationService:
 
     async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelInfo,
                        *, text_field: str = "text", add_special_tokens: bool = True,
-                       add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       chat_template_kwargs: dict | None = None) -> list[int]:
         """The token ids of ``text`` (with the model's special tokens unless ``add_special_tokens``
         is off) or ``messages`` (through the chat template, with its generation prompt unless
         ``add_generation_prompt`` is off, or ending inside the last turn with
-        ``continue_final_message``), computed in a thread. Text the model could not take whole
+        ``continue_final_message``; ``chat_template_kwargs``: extra template variables), computed in a thread. Text the model could not take whole
         is refused by its size first: a token covers at most ``prompt_bytes_per_token`` bytes, so
         more than ``max_model_len`` times that many bytes is more than ``max_model_len`` tokens."""
         if messages is not None:
             self._check_size(sum(len(m["role"].encode()) + len(m["content"].encode()) for m in messages),
-                             limits, "chat")
+                             limits, "messages")
             return await asyncio.to_thread(self.tokenizer.encode_chat, messages,
                                            add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message)
+                                           continue_final_message=continue_final_message,
+                                           template_kwargs=chat_template_kwargs)
         text = text or ""
         self._check_size(len(text.encode()), limits, text_field)
         return await asyncio.to_thread(self.tokenizer.encode_text, text, add_special_tokens=add_special_tokens)
@@ -165,9 +167,9 @@ class GenerationService:
         max_bytes = limits.max_model_len * self._prompt_bytes_per_token
         if num_bytes > max_bytes:
             raise InvalidArgumentError(
-                field, f"{num_bytes} bytes; the model takes at most {limits.max_model_len} tokens, which is at most "
-                       f"{max_bytes} bytes ({self._prompt_bytes_per_token} bytes per token, "
-                       "--prompt-bytes-per-token)")
+                field, f"This model's maximum context length is {limits.max_model_len} tokens, which is at most "
+                       f"{max_bytes} bytes of text ({self._prompt_bytes_per_token} bytes per token, "
+                       f"--prompt-bytes-per-token); got {num_bytes} bytes")
 
     async def prompt_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
         """The token ids ``inp`` asks to continue: given, or its text or chat tokenized (the chat
@@ -176,11 +178,13 @@ class GenerationService:
             ids = inp.prompt_token_ids
         elif inp.messages is not None:
             ids = await self.tokenize(None, inp.messages, limits, add_generation_prompt=inp.add_generation_prompt,
-                                      continue_final_message=inp.continue_final_message)
+                                      continue_final_message=inp.continue_final_message,
+                                      chat_template_kwargs=inp.chat_template_kwargs)
         else:
             if not inp.prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
-            ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt")
+            ids = await self.tokenize(inp.prompt, None, limits, text_field="prompt",
+                                      add_special_tokens=inp.add_special_tokens)
         return truncate_prompt(ids, inp.truncate_prompt_tokens, limits.max_model_len)
 
     async def _prompt_token_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:

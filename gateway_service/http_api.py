@@ -92,7 +92,14 @@ def _sse(obj: dict | str) -> bytes:
 
 async def _json(request: Request) -> object:
     """The request's JSON body, read no further than ``MAX_BODY_BYTES`` (a declared length was
-    checked by :func:`check_request`; a chunked body is refused once that many bytes arrived)."""
+    checked by :func:`check_request`; a chunked body is refused once that many bytes arrived). A
+    body declared as another media type (``curl -d`` sends a form's) is refused as vLLM does; an
+    undeclared one is read as JSON."""
+    declared = request.headers.get("content-type")
+    if declared is not None:
+        media = declared.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise InvalidArgumentError("content-type", f"must be application/json, got {declared[:100]!r}")
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
@@ -173,6 +180,7 @@ class OpenAIHttpApi:
             Route("/v1/completions", self._endpoint(self._completions), methods=["POST"]),
             Route("/v1/chat/completions", self._endpoint(self._chat), methods=["POST"]),
             Route("/v1/models", self._endpoint(self._models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._endpoint(self._model), methods=["GET"]),
             Route("/tokenize", self._endpoint(self._tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self._detokenize), methods=["POST"]),
             Route("/health", self._endpoint(self._health, open_route=True), methods=["GET"]),
@@ -198,9 +206,13 @@ class OpenAIHttpApi:
 
     async def _served(self, model: str) -> ModelInfo:
         """The served model's limits; another name is a 404 (OpenAI's ``model_not_found``)."""
-        if model and model != self._service.model:
-            raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self._service.model!r}")
+        if model:
+            self._known(model)
         return await self._service.served_limits("")
+
+    def _known(self, model: str) -> None:
+        if model != self._service.model:
+            raise NotFoundError(f"model {model!r} does not exist; this gateway serves {self._service.model!r}")
 
     # -- generation -----------------------------------------------------------------------------------
 
@@ -279,13 +291,21 @@ class OpenAIHttpApi:
     # -- the rest -------------------------------------------------------------------------------------
 
     async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [await self._card()]})
+
+    async def _model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}``: the served model's card, another name a 404."""
+        self._known(request.path_params["model"])
+        return JSONResponse(await self._card())
+
+    async def _card(self) -> dict:
         card = {"id": self._service.model, "object": "model", "created": 0, "owned_by": "pagedserve",
                 "root": self._service.model, "parent": None}
         try:
             card["max_model_len"] = (await self._service.served_limits("")).max_model_len
         except UnavailableError:
             pass  # no worker yet: the model is still the one served
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
 
     async def _tokenize(self, request: Request) -> Response:
         model, text, messages, options = parse_tokenize(await _json(request))

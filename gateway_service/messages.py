@@ -25,9 +25,11 @@ class GenerateInput:
     cache_salt: str = ""
     include_special_tokens: bool = False
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
+    add_special_tokens: bool = True  # prompt text only: the model's special tokens (BOS) added
     # messages only: how the chat template renders them (PromptTokenizer.chat_text)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # extra template variables (vLLM's; {"enable_thinking": False})
 
 
 @dataclass(slots=True)

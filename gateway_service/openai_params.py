@@ -4,7 +4,8 @@ Every key of a body is either mapped onto :class:`~gateway_service.messages.Gene
 :class:`~servicekit.contract.sampling_params.SamplingParams` or refused with an
 :class:`InvalidArgumentError` naming it: a parameter we would otherwise ignore (``tools``,
 ``suffix``) changes what the caller expects back, so it is a 400, never silently
-dropped. ``null`` means "not given", as in OpenAI's API. Range checks stay where they live
+dropped. ``null`` means "not given", as in OpenAI's API — for any key, also one we do not know
+(clients that serialize every field of their model send ``"tools": null`` or ``"metadata": null``). Range checks stay where they live
 (``SamplingParams.__post_init__``, the gateway's prompt checks): this module only checks types and
 shapes, and renames (``max_completion_tokens`` → ``max_tokens``, ``skip_special_tokens`` →
 ``include_special_tokens``).
@@ -30,23 +31,30 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to wh
 _INERT = {
     "user": "an end-user id for the caller's records",
     "stream": "read by the HTTP layer",
+    "metadata": "OpenAI's tags for stored completions (nothing is stored)",
 }
 # Keys accepted only with the value that means "off", with that value.
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (False,), "response_format": ({"type": "text"},),
-    "best_of": (1,), "prompt_logprobs": (0,), "guided_json": (), "structured_outputs": (),
+    "best_of": (1,), "guided_json": (), "structured_outputs": (),
+    # vLLM's prompt_logprobs: 0 asks for each prompt token's logprob (not computed here), so only null
+    "prompt_logprobs": (), "store": (False,), "service_tier": ("auto", "default"),
 }
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
-_COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", "user", "logit_bias",
+_COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", *_INERT, "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
                 "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
-COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo"})
+COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                      "add_generation_prompt", "continue_final_message"})
+                                      "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+# apply_chat_template's own arguments: chat_template_kwargs are variables of the template, never these
+_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +116,7 @@ def check_keys(body: Any, allowed: frozenset[str]) -> dict:
     if not isinstance(body, dict):
         raise InvalidArgumentError("body", "must be a JSON object")
     for key, value in body.items():
-        if key not in allowed:
+        if key not in allowed and value is not None:
             raise InvalidArgumentError(key, "is not a supported parameter")
         if key in _OFF_ONLY and value is not None and value not in _OFF_ONLY[key]:
             raise InvalidArgumentError(key, "is not supported" + (
@@ -161,7 +169,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     kwargs = {key: _get(body, key, number) for key in ("temperature", "top_p", "min_p", "repetition_penalty",
                                                         "presence_penalty", "frequency_penalty")}
     kwargs.update(top_k=_get(body, "top_k", int), min_tokens=_get(body, "min_tokens", int),
-                  ignore_eos=_get(body, "ignore_eos", bool), seed=_get(body, "seed", int))
+                  ignore_eos=_get(body, "ignore_eos", bool), seed=_seed(body))
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     if kwargs.get("top_k") == 0:  # vLLM and HF treat 0 as "off", like -1
         kwargs["top_k"] = -1
@@ -170,6 +178,15 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
         raise InvalidArgumentError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
     return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
                           logprobs=logprobs, logit_bias=_logit_bias(body), allowed_token_ids=allowed, **kwargs)
+
+
+def _seed(body: dict) -> int | None:
+    """OpenAI's and vLLM's seed is any 64-bit integer; a negative one maps into the sampler's
+    [0, 2**63) (``seed mod 2**63``: still one fixed seed per value)."""
+    seed = _get(body, "seed", int)
+    if seed is not None and -SEED_RANGE <= seed < 0:
+        seed %= SEED_RANGE
+    return seed
 
 
 def _common(body: dict) -> dict[str, Any]:
@@ -236,20 +253,24 @@ def parse_completion(body: Any) -> OpenAIRequest:
     common = _common(body)
     if len(prompts) > 1 and common["request_id"]:
         common["request_id"] = ""  # several prompts: ids are assigned (one id cannot name them all)
+    common["add_special_tokens"] = _get(body, "add_special_tokens", bool, True)
     inputs = [GenerateInput(params, prompt=p, **common) if isinstance(p, str)
               else GenerateInput(params, prompt_token_ids=list(p), **common) for p in prompts]
     return _request(body, inputs, logprobs=logprobs is not None, echo=echo)
 
 
-def _content(index: int, content: Any) -> Any:
-    """A message's content: a string, or a list of text parts (joined), as OpenAI's clients send."""
+def _content(index: int, role: Any, content: Any) -> Any:
+    """A message's content: a string, or a list of text parts (joined by newlines, as vLLM does), as
+    OpenAI's clients send; an assistant turn's ``null`` content (one that only called tools) is ""."""
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise InvalidArgumentError(f"messages[{index}].content[{k}]", "only text parts are supported")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
+    if content is None and role == "assistant":
+        return ""
     return content
 
 
@@ -261,10 +282,10 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidArgumentError(f"messages[{i}]", "must be an object")
-        for key in message:
-            if key not in ("role", "content", "name"):
+        for key, value in message.items():
+            if key not in ("role", "content", "name") and value is not None:  # "tool_calls": null, "refusal": null
                 raise InvalidArgumentError(f"messages[{i}].{key}", "is not supported")
-        content = _content(i, message.get("content"))
+        content = _content(i, message.get("role"), message.get("content"))
         # OpenAI's "developer" turn is its newer name for the system turn; chat templates know "system".
         role = "system" if message.get("role") == "developer" else message.get("role")
         check_chat_message(i, role, content)
@@ -280,15 +301,24 @@ def parse_chat(body: Any) -> OpenAIRequest:
     messages = parse_messages(body.get("messages"))
     logprobs = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int)
-    if top is not None and not logprobs:
+    if top and not logprobs:  # vLLM, too, refuses only a positive count
         raise InvalidArgumentError("top_logprobs", "requires logprobs: true")
     max_tokens = _get(body, "max_completion_tokens", int)
+    # errors name the field the caller sent (the sampling params know them as max_tokens, logprobs)
+    names = {"max_tokens": "max_completion_tokens" if max_tokens is not None else "max_tokens",
+             "logprobs": "top_logprobs"}
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int)
     placeholder = max(1, _get(body, "min_tokens", int, 0))  # replaced by chat_max_tokens
-    params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
-                       (top or 0) if logprobs else None)
-    inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body))
+    try:
+        params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
+                           (top or 0) if logprobs else None)
+    except InvalidArgumentError as exc:
+        if exc.field not in names:
+            raise
+        raise InvalidArgumentError(names[exc.field], exc.message) from None
+    inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body),
+                        chat_template_kwargs=_template_kwargs(body))
     return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None)
 
 
@@ -299,6 +329,18 @@ def _template_options(body: dict) -> dict[str, bool]:
                 continue_final_message=_get(body, "continue_final_message", bool, False))
 
 
+def _template_kwargs(body: dict) -> dict[str, Any] | None:
+    """vLLM's ``chat_template_kwargs``: extra variables for the chat template (``{"enable_thinking":
+    false}`` for Qwen3's); none may be one of ``apply_chat_template``'s own arguments."""
+    kwargs = _get(body, "chat_template_kwargs", dict)
+    if not kwargs:
+        return None
+    for key in kwargs:
+        if key in _TEMPLATE_ARGS:
+            raise InvalidArgumentError(f"chat_template_kwargs.{key}", "is not a template variable (set it elsewhere)")
+    return kwargs
+
+
 def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_len: int) -> GenerateInput:
     """A chat request given no max_tokens, as tokens, with what the model has room for after its
     prompt (at least 1: a prompt that fills the model is refused by the gateway's own check)."""
@@ -307,15 +349,16 @@ def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_l
     return replace(inp, messages=None, prompt_token_ids=prompt_token_ids, sampling_params=params)
 
 
-def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, dict[str, bool]]:
+def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, dict[str, Any]]:
     """``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (vLLM's shape), plus
-    ``model``, ``add_special_tokens`` (prompt; default true), ``add_generation_prompt`` and
-    ``continue_final_message`` (messages; as in chat). Returns (model, prompt, messages, the
+    ``model``, ``add_special_tokens`` (prompt; default true), ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs`` (messages; as in chat). Returns (model, prompt, messages, the
     options as keyword arguments of ``GenerationService.tokenize``)."""
     body = check_keys(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
-                                       "add_generation_prompt", "continue_final_message"}))
+                                       "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}))
     model = _get(body, "model", str, "")
-    options = dict(add_special_tokens=_get(body, "add_special_tokens", bool, True), **_template_options(body))
+    options = dict(add_special_tokens=_get(body, "add_special_tokens", bool, True), **_template_options(body),
+                   chat_template_kwargs=_template_kwargs(body))
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise InvalidArgumentError("prompt", "exactly one of prompt and messages is required")
     if body.get("messages") is not None:

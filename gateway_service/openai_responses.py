@@ -62,13 +62,18 @@ def total_usage(usages: list[Usage | None], n: int) -> Usage:
 
 
 class TokenText:
-    """Token id → its text, as logprobs show it (the token decoded alone)."""
+    """Token id → its text, as logprobs show it (the token decoded alone); remembered, so a call's
+    logprobs decode each distinct id once (the vocabulary bounds what is kept)."""
 
     def __init__(self, hf_tokenizer: Any) -> None:
         self._hf = hf_tokenizer
+        self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
-        return self._hf.decode([token_id])
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._hf.decode([token_id])
+        return text
 
 
 def token_id_text(token_id: int) -> str:
@@ -116,7 +121,8 @@ class ChoiceState:
 def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, offset: int,
                         token_name: Callable[[int], str] | None = None) -> dict:
     """Completions' logprobs: tokens (by ``token_name``, default their text), their logprobs, top
-    alternatives and text offsets (always counted in the tokens' text)."""
+    alternatives and text offsets (always counted in the tokens' text). Each position's alternatives
+    also hold the sampled token (OpenAI: "up to logprobs + 1 elements"), so ``logprobs: 0`` gives it alone."""
     name = token_name or token_text
     tokens, offsets, pos = [], [], offset
     for lp in logprobs:
@@ -124,7 +130,13 @@ def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, of
         offsets.append(pos)
         pos += len(token_text(lp.token_id))
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{name(t): p for t, p in lp.top} for lp in logprobs], "text_offset": offsets}
+            "top_logprobs": [_with_sampled({name(t): p for t, p in lp.top}, name(lp.token_id), lp.logprob)
+                             for lp in logprobs], "text_offset": offsets}
+
+
+def _with_sampled(top: dict[str, float], token: str, logprob: float) -> dict[str, float]:
+    top.setdefault(token, logprob)
+    return top
 
 
 def chat_logprobs(logprobs: list[TokenLogprobs], token_text: Callable[[int], str]) -> dict:

@@ -42,10 +42,12 @@ class PromptTokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def chat_text(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False, chat_template: str | None = None) -> str:
+                  continue_final_message: bool = False, chat_template: str | None = None,
+                  template_kwargs: dict | None = None) -> str:
         """A conversation through the chat template (with a generation prompt by default).
         ``continue_final_message``: the text ends inside the last turn, an assistant's, so the
-        model continues it (a prefilled reply; then ``add_generation_prompt`` must be off)."""
+        model continues it (a prefilled reply; then ``add_generation_prompt`` must be off).
+        ``template_kwargs``: extra variables the template reads (``enable_thinking``)."""
         if not messages:
             raise InvalidArgumentError("chat", "at least one message is required")
         if chat_template is None and getattr(self.hf, "chat_template", None) is None:
@@ -59,7 +61,7 @@ class PromptTokenizer:
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message,
-                                               chat_template=chat_template)
+                                               chat_template=chat_template, **(template_kwargs or {}))
         except ValueError as exc:  # e.g. a template that does not render the final message's text as given
             raise InvalidArgumentError("messages", f"the chat template cannot render them: {exc}") from None
 

@@ -8,10 +8,11 @@ CHAT_ROLES = ("system", "user", "assistant")  # generation.proto ChatMessage.rol
 
 
 def check_chat_message(index: int, role, content) -> None:
-    """One chat turn as the gateway takes it: a known role and non-empty text. Raises
+    """One chat turn as the gateway takes it: a known role and text (may be empty, as in OpenAI's API:
+    an assistant turn that ended at once, an empty system prompt). Raises
     InvalidArgumentError naming the field (``messages[1].role``); the SDK and the gateway both
     check with this, so a turn the SDK builds is one the gateway accepts."""
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise InvalidArgumentError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-    if not isinstance(content, str) or not content:
-        raise InvalidArgumentError(f"messages[{index}].content", "required: a non-empty string")
+    if not isinstance(content, str):
+        raise InvalidArgumentError(f"messages[{index}].content", "required: a string")

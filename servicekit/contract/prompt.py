@@ -17,13 +17,16 @@ if TYPE_CHECKING:
 
 def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> InvalidArgumentError | None:
     """The length rule: a prompt leaves room for one output token, and prompt + max_tokens fit
-    ``max_model_len``. The error naming the field at fault, or None when the request fits."""
+    ``max_model_len``. The error naming the field at fault, or None when the request fits. Its text
+    begins as OpenAI's and vLLM's do ("This model's maximum context length is ..."): clients
+    (LiteLLM, agent frameworks) recognise a context overflow by it."""
+    total = f"This model's maximum context length is {max_model_len} tokens. However, you requested " \
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the completion)"
     if num_prompt_tokens >= max_model_len:
-        return InvalidArgumentError("prompt", f"{num_prompt_tokens} tokens; the model takes at most "
-                                              f"{max_model_len - 1} prompt tokens")
+        return InvalidArgumentError("prompt", f"{total}: a prompt takes at most {max_model_len - 1} tokens")
     if num_prompt_tokens + max_tokens > max_model_len:
-        return InvalidArgumentError("max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                                                  f"exceeds the model's max_model_len ({max_model_len})")
+        return InvalidArgumentError("max_tokens", f"{total}: lower max_tokens to at most "
+                                                  f"{max_model_len - num_prompt_tokens} or shorten the prompt")
     return None
 
 
@@ -68,7 +71,8 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, max_model_
     except TypeError:
         raise InvalidArgumentError(field, "token ids must be integers") from None
     if lo < 0 or hi >= vocab_size:
-        raise InvalidArgumentError(field, f"token ids must be in [0, {vocab_size}), got one in [{lo}, {hi}]")
+        raise InvalidArgumentError(field, f"token id {lo if lo < 0 else hi} is out of vocabulary (ids must be in "
+                                          f"[0, {vocab_size}))")
     error = length_error(len(prompt_token_ids), max_tokens, max_model_len)
     if error is not None:
         raise error

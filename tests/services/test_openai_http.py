@@ -322,7 +322,7 @@ async def test_each_bad_input_is_a_400_naming_its_param_and_the_server_keeps_ser
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
@@ -337,10 +337,18 @@ async def test_unknown_model_is_a_404_and_bad_json_a_400(stack):
     async with async_client(stack) as client:
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="no-such-model", prompt="Hello", max_tokens=2)
-    request = urllib.request.Request(stack.http_url + "/completions", data=b"{not json", method="POST")
+    request = urllib.request.Request(stack.http_url + "/completions", data=b"{not json", method="POST",
+                                     headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as caught:
         await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
     assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "body"
+    # a body declared as a form (urllib's and curl -d's default) is refused, as vLLM does
+    request = urllib.request.Request(stack.http_url + "/completions", data=b'{"prompt": "Hi"}', method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
+    error = json.loads(caught.value.read())["error"]
+    assert caught.value.code == 400 and error["param"] == "content-type", error
+    assert "application/json" in error["message"]
     # Starlette's own refusals come in the same error shape.
     status, reply = await asyncio.to_thread(http, stack, "GET", "/v1/no-such-route")
     assert status == 404 and reply["error"]["type"] == "NotFoundError", reply
@@ -349,10 +357,30 @@ async def test_unknown_model_is_a_404_and_bad_json_a_400(stack):
     assert status == 405 and reply["error"]["code"] == 405, reply
 
 
+async def test_empty_turns_and_zero_logprobs_as_openai_clients_send_them(stack):
+    """An empty system prompt and an assistant turn with no text are turns like others; completions'
+    ``logprobs: 0`` gives each position's sampled token alone (OpenAI: up to logprobs + 1)."""
+    async with async_client(stack) as client:
+        chat = await client.chat.completions.create(
+            model=stack.model, max_tokens=2, messages=[{"role": "system", "content": ""}, {"role": "user", "content": "Hi"},
+                                                       {"role": "assistant", "content": ""},
+                                                       {"role": "user", "content": "Hi again"}])
+        done = await client.completions.create(model=stack.model, prompt="Hello", max_tokens=3, logprobs=0,
+                                               temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1
+    lp = done.choices[0].logprobs
+    assert [len(top) for top in lp.top_logprobs] == [1] * len(lp.tokens) == [1] * done.usage.completion_tokens
+    assert all(top == {token: p} for top, token, p in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+
+
 async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
     async with async_client(stack) as client:
         models = await client.models.list()
-    assert [m.id for m in models.data] == [stack.model]
+        model = await client.models.retrieve(stack.model)  # GET /v1/models/{model}, a path with slashes here
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("no-such-model")
+    assert [m.id for m in models.data] == [stack.model] and model.id == stack.model
+    assert model.model_dump()["max_model_len"] == stack.worker.info.max_model_len
     assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "GET", "/ping"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "POST", "/ping"))[0] == 200

@@ -59,6 +59,9 @@ def test_n_samples_get_successive_seeds_and_ids_and_prompts_fan_out():
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": [[1], "a", 3]}, "prompt"),
     ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM: 0 asks for prompt logprobs
+    ({"prompt": "a", "store": True}, "store"),
+    ({"prompt": "a", "seed": -2**63 - 1}, "seed"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options.x"),
     ({"prompt": "a", "n": 17}, "n"),
@@ -145,6 +148,78 @@ def test_chat_refuses_what_it_would_otherwise_ignore():
         with pytest.raises(InvalidArgumentError) as caught:
             parse_chat(body)
         assert caught.value.field == field
+
+
+def test_null_means_not_given_for_any_key_and_openai_bookkeeping_is_accepted():
+    """Clients that serialize every field of their model send nulls for what they do not use
+    (``"tools": null``, an assistant turn's ``"tool_calls": null``); OpenAI's bookkeeping fields
+    (``metadata``, ``store: false``, ``service_tier``) change nothing here."""
+    (inp,) = parse_chat({"messages": [{"role": "system", "content": ""},
+                                      {"role": "user", "content": "Hi", "name": None},
+                                      {"role": "assistant", "content": None, "tool_calls": None, "refusal": None},
+                                      {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]}],
+                         "some_future_field": None, "tools": None, "metadata": {"k": "v"}, "store": False,
+                         "service_tier": "auto", "prompt_logprobs": None}).inputs
+    assert inp.messages == [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"},
+                            {"role": "assistant", "content": ""}, {"role": "user", "content": "a\nb"}]  # vLLM's join
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": None}]})
+    assert caught.value.field == "messages[0].content"
+
+
+def test_chat_errors_name_the_field_the_caller_sent_and_seeds_take_int64():
+    def field(body: dict) -> str:
+        with pytest.raises(InvalidArgumentError) as caught:
+            parse_chat({"messages": [{"role": "user", "content": "Hi"}], **body})
+        return caught.value.field
+    assert field({"max_completion_tokens": 0}) == "max_completion_tokens"
+    assert field({"max_tokens": 0}) == "max_tokens"
+    assert field({"logprobs": True, "top_logprobs": 21}) == "top_logprobs"
+    assert field({"top_logprobs": 2}) == "top_logprobs"  # a count without logprobs: true
+    # top_logprobs 0 without logprobs asks for nothing (vLLM refuses only a positive count)
+    assert parse_chat({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 0}).inputs
+    seeds = [parse_completion({"prompt": "a", "seed": s}).inputs[0].sampling_params.seed for s in (-1, -2**63, 5)]
+    assert seeds == [2**63 - 1, 0, 5]
+
+
+def test_chat_template_kwargs_and_add_special_tokens_reach_the_input(hf_tokenizer):
+    from gateway_service.text import PromptTokenizer
+    (inp,) = parse_chat({"messages": [{"role": "user", "content": "Hi"}],
+                         "chat_template_kwargs": {"enable_thinking": False}}).inputs
+    assert inp.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenize": True}})
+    assert caught.value.field == "chat_template_kwargs.tokenize"
+    template = "{% if shout %}!{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tok = PromptTokenizer(hf_tokenizer)
+    assert tok.chat_text([{"role": "user", "content": "Hi"}], chat_template=template, template_kwargs={"shout": True},
+                         add_generation_prompt=False) == "!Hi"
+    (plain,) = parse_completion({"prompt": "a", "add_special_tokens": False}).inputs
+    assert not plain.add_special_tokens and parse_completion({"prompt": "a"}).inputs[0].add_special_tokens
+
+
+def test_completion_logprobs_always_hold_the_sampled_token(hf_tokenizer):
+    from gateway_service.openai_responses import completion_logprobs
+    from servicekit.contract.step import TokenLogprobs
+    text = TokenText(hf_tokenizer)
+    lps = [TokenLogprobs(5, -2.0, []), TokenLogprobs(6, -0.5, [(6, -0.5), (7, -1.0)]),
+           TokenLogprobs(8, -3.0, [(6, -0.1)])]
+    out = completion_logprobs(lps, text, 0)
+    assert [len(top) for top in out["top_logprobs"]] == [1, 2, 2]  # OpenAI: up to logprobs + 1
+    assert out["top_logprobs"][0] == {text(5): -2.0} and out["top_logprobs"][2][text(8)] == -3.0
+
+
+def test_length_and_vocabulary_errors_read_as_clients_expect():
+    """LiteLLM and agent frameworks recognise a context overflow by OpenAI's wording; vLLM's tests
+    match "out of vocabulary"."""
+    from servicekit.contract.prompt import check_prompt
+    for prompt, max_tokens, field in (([1] * 10, 1, "prompt"), ([1] * 4, 7, "max_tokens")):
+        with pytest.raises(InvalidArgumentError, match="This model's maximum context length is 10 tokens") as caught:
+            check_prompt(prompt, max_tokens, max_model_len=10, vocab_size=50)
+        assert caught.value.field == field
+    with pytest.raises(InvalidArgumentError, match="token id 50 is out of vocabulary"):
+        check_prompt([1, 50], 1, max_model_len=10, vocab_size=50)
 
 
 async def test_an_error_after_the_stream_began_is_an_error_event_then_done(hf_tokenizer):
