@@ -168,11 +168,14 @@ def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> d
 
 
 class OpenAIHttpApi:
-    """The routes, over one :class:`GenerationService`; ``registry`` is what ``/metrics`` shows."""
+    """The routes, over one :class:`GenerationService`; ``registry`` is what ``/metrics`` shows.
+    ``max_choices`` (0: no limit): the most requests one call may ask for (prompts × n) — the
+    gateway's queue bound, since a call is answered only when every one of them is admitted."""
 
     def __init__(self, service: GenerationService, registry: CollectorRegistry, *, keys: KeyStore | None = None,
-                 guard_metrics: bool = False) -> None:
+                 guard_metrics: bool = False, max_choices: int = 0) -> None:
         self._service = service
+        self._max_choices = max_choices
         self._registry = registry
         self._keys = keys if keys is not None else KeyStore()
         self._token_text = TokenText(service.tokenizer.hf)
@@ -225,6 +228,10 @@ class OpenAIHttpApi:
     async def _generate(self, request: Request, req: OpenAIRequest, *, chat: bool) -> Response:
         limits = await self._served(req.model)
         inputs = req.choice_inputs()
+        if self._max_choices and len(inputs) > self._max_choices:  # refused before tokenizing any of them
+            raise InvalidArgumentError("prompt", f"{len(inputs)} requests (prompts x n); one call may ask for at most "
+                                                 f"{self._max_choices}, the requests this gateway queues "
+                                                 "(--max-queued-requests)")
         if req.fill_max_tokens:  # tokenize once, and give the reply the room the prompt leaves
             ids = await self._service.prompt_ids(inputs[0], limits)
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]

@@ -83,8 +83,8 @@ class GatewayApp:
             from gateway_service.http_api import OpenAIHttpApi
             from servicekit.http_server import HttpServer
 
-            self._http = HttpServer(OpenAIHttpApi(self.service, registry, keys=api_keys).app, name="gateway",
-                                    tls=s.tls)
+            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_queued_requests)
+            self._http = HttpServer(api.app, name="gateway", tls=s.tls)
             self.http_port = self._http.bind(s.http_host or s.host, s.http_port)
         self._limits.start()
         self._fanout.start()
