@@ -1,6 +1,7 @@
 """A request's output records -> the chunks its reader is sent: detokenized incrementally, stop
 strings applied, repeats after a failover dropped, tokens below ``resume_from_index`` not sent
-again. Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
+again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
+the token ids but adds no text, as in vLLM. Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ChunkAssembler:
         self._next_index = 0  # every record token below it was seen (repeats after failover are dropped)
         self._num_cached = 0
         self._num_prompt = len(prompt_ids)
+        self._stop_token_ids = frozenset(params.stop_token_ids)
         self._on_stop_string = on_stop_string
         self.done = False
 
@@ -45,12 +47,18 @@ class ChunkAssembler:
                 raise error_for_code(record.error_code, f"request {self._request_id}: {record.error_message}",
                                      field=record.error_field)
             self._num_cached = max(self._num_cached, record.num_cached_tokens)
+            # a record that finishes as "stop" ends on its stop token (the scheduler knows no stop strings)
+            stop_token = len(record.token_ids) - 1 if record.finish_reason is FinishReason.STOP else -1
             for j, token in enumerate(record.token_ids):
                 index = record.first_index + j
                 if index < self._next_index:
                     continue
                 self._next_index = index + 1
-                piece, stop = self._text.add(token)
+                if j == stop_token:
+                    piece, stop = "", None
+                    chunk.stop_token_id = token if token in self._stop_token_ids else None
+                else:
+                    piece, stop = self._text.add(token)
                 if index >= self._start:
                     chunk.token_ids.append(token)
                     text.append(piece)

@@ -69,6 +69,8 @@ def chunk_to_pb(chunk: GenerateChunk,
     msg.first_index = chunk.first_index
     msg.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
     msg.stop_string = chunk.stop_string
+    if chunk.stop_token_id is not None:
+        msg.stop_token_id = chunk.stop_token_id
     if chunk.logprobs:
         logprobs_to_pb(chunk.logprobs, msg.logprobs)
     if chunk.usage is not None:

@@ -238,7 +238,7 @@ class OpenAIHttpApi:
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)
         responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text)
-        choices = [ChoiceState(i, prefix=prefixes[i]) for i in range(len(inputs))]
+        choices = [ChoiceState(i, prefix=prefixes[i], token_text=self._token_text) for i in range(len(inputs))]
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner)) for i, inp in enumerate(inputs)]
         try:

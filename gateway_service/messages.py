@@ -44,6 +44,7 @@ class GenerateChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stop_string: str = ""
+    stop_token_id: int | None = None  # the stop_token_ids entry that ended the output (its text not in text)
     num_prompt_tokens: int = 0  # on every chunk (the OpenAI API's per-chunk usage reads it)
 
 

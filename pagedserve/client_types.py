@@ -23,6 +23,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
     usage: Usage | None = None  # on the last chunk
     stop_string: str = ""  # the stop string that ended the request, if one did
+    stop_token_id: int | None = None  # the stop_token_ids entry that ended it, if one did (its text not in text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class Completion:
     usage: Usage | None
     logprobs: tuple[TokenLogprobs, ...] = ()
     stop_string: str = ""
+    stop_token_id: int | None = None
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> Completion:
@@ -43,5 +45,6 @@ class Completion:
         return cls(
             request_id=last.request_id, text="".join(c.text for c in chunks),
             token_ids=tuple(t for c in chunks for t in c.token_ids), finish_reason=last.finish_reason,
-            usage=last.usage, logprobs=tuple(lp for c in chunks for lp in c.logprobs), stop_string=last.stop_string)
+            usage=last.usage, logprobs=tuple(lp for c in chunks for lp in c.logprobs), stop_string=last.stop_string,
+            stop_token_id=last.stop_token_id)
 

@@ -24,7 +24,7 @@ from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.contract.step import TokenLogprobs
+from servicekit.contract.step import FinishReason, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -57,6 +57,9 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # one per output token when SamplingParams.logprobs is set
     stop_string: str = ""  # the stop string that ended the output, if one did (never in ``text``)
+    # the stop_token_ids entry that ended the output, if one did (vLLM's integer stop_reason); the token
+    # that ends an output as a stop token (this or EOS) is the last of token_ids, its text not in ``text``
+    stop_token_id: int | None = None
     metrics: RequestMetrics | None = None  # timings (None only for outputs built elsewhere)
 
 
@@ -71,16 +74,21 @@ class _Pending:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     stop_string: str = ""
+    stop_token_id: int | None = None
+    stop_token_ids: frozenset[int] = frozenset()
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
-    def add(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> bool:
+    def add(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, *, stopped: bool = False) -> bool:
         """Take one step's tokens; True when a stop string ended the output (the tokens after the one
-        that completed it are dropped, as the gateway drops them)."""
+        that completed it are dropped, as the gateway drops them). ``stopped``: the scheduler finished
+        the output as "stop", so its last token is a stop token (EOS or a stop id), which adds no text."""
         for i, token in enumerate(token_ids):
             self.token_ids.append(token)
             if self.logprobs is not None and logprobs:
                 self.logprobs.append(logprobs[i])
-            if self.text is not None:
+            if stopped and i == len(token_ids) - 1:
+                self.stop_token_id = token if token in self.stop_token_ids else None
+            elif self.text is not None:
                 piece, stop = self.text.add(token)
                 self.pieces.append(piece)
                 if stop is not None:
@@ -254,7 +262,8 @@ class LLM:
                 if params.stop and self.tokenizer is None:
                     raise InvalidArgumentError("stop", "stop strings need a tokenizer (skip_tokenizer_init=True)")
                 output_text = None if self.tokenizer is None else OutputText(self.tokenizer, ids, params.stop)
-                pending[rid] = _Pending(text, ids, output_text, logprobs=[] if params.logprobs is not None else None)
+                pending[rid] = _Pending(text, ids, output_text, logprobs=[] if params.logprobs is not None else None,
+                                        stop_token_ids=frozenset(params.stop_token_ids))
                 order.append(rid)
             self._loop(pending, use_tqdm if use_tqdm is not None else len(order) >= _TQDM_MIN_PROMPTS)
         finally:
@@ -287,7 +296,8 @@ class LLM:
                         if state.metrics.first_token_time is None:
                             state.metrics.first_token_time = now
                         state.metrics.last_token_time = now
-                    if state.add(out.new_token_ids, out.new_logprobs):
+                    on_stop_token = out.finished and out.finish_reason is FinishReason.STOP
+                    if state.add(out.new_token_ids, out.new_logprobs, stopped=on_stop_token):
                         state.finish("stop")
                         if not out.finished:
                             stopped.append(out.request_id)  # the scheduler does not know stop strings
@@ -317,5 +327,6 @@ class LLM:
             num_cached_tokens=state.num_cached_tokens,
             logprobs=state.logprobs,
             stop_string=state.stop_string,
+            stop_token_id=state.stop_token_id,
             metrics=state.metrics,
         )

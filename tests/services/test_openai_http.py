@@ -261,6 +261,34 @@ async def test_logprobs_are_present_and_bounded(stack):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the best one
 
 
+async def test_a_stop_token_id_ends_the_output_without_its_text_as_in_vllm(stack, llm, hf_tokenizer):
+    """The token that ends an output as a stop token stays in the token ids, its text is left out
+    (unless include_stop_str_in_output) and the id is the stop_reason — the same in process, over the
+    SDK and over HTTP."""
+    prompt = "Counting: one two three"
+    greedy = dict(temperature=0, ignore_eos=True)
+    ref = llm.generate([prompt], SamplingParams(max_tokens=12, **greedy))[0].token_ids
+    k = next(i for i in range(3, 12) if ref[i] not in ref[:i])  # its first appearance ends the output
+    stop_id = ref[k]
+    before = llm.generate([prompt], SamplingParams(max_tokens=k, **greedy))[0].text  # the text of ref[:k]
+    local = llm.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **greedy))[0]
+    assert (local.token_ids, local.text, local.finish_reason, local.stop_token_id) == (ref[:k + 1], before, "stop",
+                                                                                        stop_id)
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        done = await sdk.generate(prompt, max_tokens=12, stop_token_ids=[stop_id], **greedy)
+    assert (list(done.token_ids), done.text, done.finish_reason, done.stop_token_id) == (ref[:k + 1], before, "stop",
+                                                                                          stop_id)
+    async with async_client(stack) as client:
+        whole = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=12, temperature=0,
+                                                extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+        kept = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
+                                                           "include_stop_str_in_output": True})
+    choice = whole.model_dump()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (before, "stop", stop_id)
+    assert kept.choices[0].text == before + hf_tokenizer.decode([stop_id])
+
+
 async def test_stop_strings_are_never_shown(stack, llm):
     prompt = "Counting: one two three"
     reference = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
