@@ -62,18 +62,30 @@ def total_usage(usages: list[Usage | None], n: int) -> Usage:
 
 
 class TokenText:
-    """Token id → its text, as logprobs show it (the token decoded alone); remembered, so a call's
-    logprobs decode each distinct id once (the vocabulary bounds what is kept)."""
+    """Token id → its text, as logprobs show it: the token as it reads inside a text, after another
+    token. Decoded alone, a SentencePiece token (Llama 2, Mistral) loses its leading space ("▁the"
+    gives "the"), so logprob tokens would not join to the output's text; decoded after an anchor
+    token ("a") and cut after the anchor's text, it keeps it (" the"). Byte-level BPE (GPT-2, Llama 3,
+    SmolLM) decodes the same both ways. Remembered per id (the vocabulary bounds what is kept)."""
 
     def __init__(self, hf_tokenizer: Any) -> None:
         self._hf = hf_tokenizer
         self._texts: dict[int, str] = {}
+        self._anchor: list[int] = list(hf_tokenizer.encode("a", add_special_tokens=False))[:1]
+        self._anchor_text = hf_tokenizer.decode(self._anchor) if self._anchor else ""
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._hf.decode([token_id])
+            text = self._texts[token_id] = self._decode(token_id)
         return text
+
+    def _decode(self, token_id: int) -> str:
+        if self._anchor_text:
+            both = self._hf.decode(self._anchor + [token_id])
+            if both.startswith(self._anchor_text):
+                return both[len(self._anchor_text):]
+        return self._hf.decode([token_id])
 
 
 def token_id_text(token_id: int) -> str:

@@ -210,6 +210,23 @@ def test_completion_logprobs_always_hold_the_sampled_token(hf_tokenizer):
     assert out["top_logprobs"][0] == {text(5): -2.0} and out["top_logprobs"][2][text(8)] == -3.0
 
 
+def test_logprob_tokens_keep_a_sentencepiece_tokens_leading_space():
+    """A SentencePiece-style tokenizer (Metaspace: "▁the" decodes alone to "the") still names logprob
+    tokens as they read in the text, so they join to it; a byte-level BPE one is unchanged."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁a": 2, "▁the": 3, "cat": 4, "▁sat": 5, ".": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    sp = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+    assert sp.decode([3]) == "the"  # the loss TokenText avoids
+    text = TokenText(sp)
+    assert [text(t) for t in (3, 4, 5, 6, 1)] == [" the", "cat", " sat", ".", "</s>"]
+    assert "".join(text(t) for t in (3, 4, 5, 6)) == sp.decode([2, 3, 4, 5, 6])[len("a"):]
+
+
 def test_length_and_vocabulary_errors_read_as_clients_expect():
     """LiteLLM and agent frameworks recognise a context overflow by OpenAI's wording; vLLM's tests
     match "out of vocabulary"."""
