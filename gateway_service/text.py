@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
 from servicekit.contract.errors import InvalidArgumentError
 
 
@@ -62,7 +64,9 @@ class PromptTokenizer:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message,
                                                chat_template=chat_template, **(template_kwargs or {}))
-        except ValueError as exc:  # e.g. a template that does not render the final message's text as given
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            # a template refusing the turns (raise_exception: "roles must alternate user/assistant"), one
+            # that does not render the final message's text as given, or template_kwargs it cannot use
             raise InvalidArgumentError("messages", f"the chat template cannot render them: {exc}") from None
 
     def encode_chat(self, messages: list[dict[str, str]], **template_options) -> list[int]:

@@ -183,6 +183,22 @@ def test_chat_errors_name_the_field_the_caller_sent_and_seeds_take_int64():
     assert seeds == [2**63 - 1, 0, 5]
 
 
+def test_a_chat_template_that_refuses_the_turns_is_a_400_naming_messages(hf_tokenizer):
+    """Templates refuse turns they cannot render (Llama 2's and Mistral's raise_exception("Conversation
+    roles must alternate ...")); that, an undefined variable or a template variable of the wrong
+    kind from chat_template_kwargs is the caller's error (messages), never a 500."""
+    from gateway_service.text import PromptTokenizer
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must alternate') }}{% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}{{ shout.loud.louder }}{% endif %}")
+    tok = PromptTokenizer(hf_tokenizer)
+    for messages, kwargs, words in (([{"role": "system", "content": "s"}], None, "roles must alternate"),
+                                    ([{"role": "system", "content": "s"}], {"raise_exception": 1}, "not callable"),
+                                    ([{"role": "user", "content": "u"}], {"shout": 3}, "no attribute")):
+        with pytest.raises(InvalidArgumentError, match=words) as caught:
+            tok.chat_text(messages, chat_template=template, template_kwargs=kwargs, add_generation_prompt=False)
+        assert caught.value.field == "messages"
+
+
 def test_chat_template_kwargs_and_add_special_tokens_reach_the_input(hf_tokenizer):
     from gateway_service.text import PromptTokenizer
     (inp,) = parse_chat({"messages": [{"role": "user", "content": "Hi"}],
