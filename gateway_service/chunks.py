@@ -1,7 +1,8 @@
 """A request's output records -> the chunks its reader is sent: detokenized incrementally, stop
 strings applied, repeats after a failover dropped, tokens below ``resume_from_index`` not sent
 again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
-the token ids but adds no text, as in vLLM. Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
+the token ids but adds no text (unless ``keep_stop_token_text``: vLLM's include_stop_str_in_output,
+then it is detokenized as any other), as in vLLM. Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class ChunkAssembler:
     does not know stop strings: it must be aborted)."""
 
     def __init__(self, request_id: str, tokenizer, prompt_ids: list[int], params: SamplingParams, *,
-                 resume_from_index: int | None, skip_special_tokens: bool,
+                 resume_from_index: int | None, skip_special_tokens: bool, keep_stop_token_text: bool = False,
                  on_stop_string: Callable[[], None]) -> None:
         self._request_id = request_id
         self._text = OutputText(tokenizer, prompt_ids, params.stop, skip_special_tokens=skip_special_tokens)
@@ -33,6 +34,7 @@ class ChunkAssembler:
         self._num_cached = 0
         self._num_prompt = len(prompt_ids)
         self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._keep_stop_token_text = keep_stop_token_text
         self._on_stop_string = on_stop_string
         self.done = False
 
@@ -55,17 +57,15 @@ class ChunkAssembler:
                     continue
                 self._next_index = index + 1
                 if j == stop_token:
-                    piece, stop = "", None
                     chunk.stop_token_id = token if token in self._stop_token_ids else None
-                else:
-                    piece, stop = self._text.add(token)
+                piece, stop = ("", None) if j == stop_token and not self._keep_stop_token_text else self._text.add(token)
                 if index >= self._start:
                     chunk.token_ids.append(token)
                     text.append(piece)
                     if record.logprobs:
                         chunk.logprobs.append(record.logprobs[j])
                 if stop is not None:
-                    finish, chunk.stop_string = FinishReason.STOP, stop
+                    finish, chunk.stop_string, chunk.stop_token_id = FinishReason.STOP, stop, None
                     # Every reader sees the same stop; the request is aborted for all of them.
                     self._on_stop_string()
                     break

@@ -156,6 +156,7 @@ class GenerationService:
             self._check_size(sum(len(m["role"].encode()) + len(m["content"].encode()) for m in messages),
                              limits, "messages")
             return await asyncio.to_thread(self.tokenizer.encode_chat, messages,
+                                           check_size=lambda n: self._check_size(n, limits, "messages"),
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
                                            template_kwargs=chat_template_kwargs)
@@ -293,7 +294,7 @@ class GenerationService:
             log.debug("request %s prompt: %r", request_id, inp.prompt)
             assembler = ChunkAssembler(
                 request_id, self.tokenizer.hf, prompt_ids, params, resume_from_index=inp.resume_from_index,
-                skip_special_tokens=not inp.include_special_tokens,
+                skip_special_tokens=not inp.include_special_tokens, keep_stop_token_text=inp.keep_stop_token_text,
                 on_stop_string=lambda: self._in_background(self._abort(request_id)))
             reading = _Reading(request_id, sub, assembler, owner, self._tokens_per_key,
                                self._metrics.start() if self._metrics is not None else None)

@@ -12,8 +12,8 @@ FastAPI's pydantic request models, whose 422 answers would be a second validatio
 error shape; our parameters are checked once, by the same code that checks gRPC requests, and
 every refusal is a 400 naming the field.
 
-Every request passes :func:`check_request` first: the one place its headers are looked at (the
-place where authentication goes).
+Every request passes :func:`check_request` first: the one place its headers are checked before its
+body is read (the place where authentication goes); reading the body checks its declared media type.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> d
 
 class OpenAIHttpApi:
     """The routes, over one :class:`GenerationService`; ``registry`` is what ``/metrics`` shows.
-    ``max_choices`` (0: no limit): the most requests one call may ask for (prompts × n) — the
-    gateway's queue bound, since a call is answered only when every one of them is admitted."""
+    ``max_choices`` (0: no limit): the most requests one call may ask for (prompts × n), so one call
+    cannot make the gateway tokenize and admit without bound (``--max-requests-per-call``)."""
 
     def __init__(self, service: GenerationService, registry: CollectorRegistry, *, keys: KeyStore | None = None,
                  guard_metrics: bool = False, max_choices: int = 0) -> None:
@@ -229,18 +229,18 @@ class OpenAIHttpApi:
         limits = await self._served(req.model)
         inputs = req.choice_inputs()
         if self._max_choices and len(inputs) > self._max_choices:  # refused before tokenizing any of them
-            raise InvalidArgumentError("prompt", f"{len(inputs)} requests (prompts x n); one call may ask for at most "
-                                                 f"{self._max_choices}, the requests this gateway queues "
-                                                 "(--max-queued-requests)")
+            raise InvalidArgumentError("prompt" if len(req.inputs) > 1 else "n",
+                                       f"{len(inputs)} requests (prompts x n); one call may ask for at most "
+                                       f"{self._max_choices} (--max-requests-per-call)")
         if req.fill_max_tokens:  # tokenize once, and give the reply the room the prompt leaves
             ids = await self._service.prompt_ids(inputs[0], limits)
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)
         responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text)
-        choices = [ChoiceState(i, prefix=prefixes[i], token_text=self._token_text) for i in range(len(inputs))]
+        choices = [ChoiceState(i, prefix=prefixes[i]) for i in range(len(inputs))]
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner)) for i, inp in enumerate(inputs)]
+        tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner, req)) for i, inp in enumerate(inputs)]
         try:
             # Whole or streamed, the first item decides the status: an input refused at admission
             # (400, 429, 503) is an HTTP error, not an event in a 200 stream.
@@ -263,15 +263,17 @@ class OpenAIHttpApi:
             return inp.prompt
         return await asyncio.to_thread(self._service.tokenizer.hf.decode, inp.prompt_token_ids)
 
-    async def _pump(self, index: int, inp: GenerateInput, queue: asyncio.Queue, owner: str) -> None:
+    async def _pump(self, index: int, inp: GenerateInput, queue: asyncio.Queue, owner: str,
+                    req: OpenAIRequest) -> None:
         """Choice ``index``'s chunks into ``queue`` as ``(index, chunk)``, then ``(index, None)``,
-        or ``(index, error)``. Cancelled, it closes ``generate``, which aborts the request."""
+        or ``(index, error)`` (naming the field as the caller sent it). Cancelled, it closes
+        ``generate``, which aborts the request."""
         try:
             async with aclosing(self._service.generate(inp, owner=owner)) as chunks:
                 async for chunk in chunks:
                     queue.put_nowait((index, chunk))
         except PagedServeError as exc:
-            queue.put_nowait((index, exc))
+            queue.put_nowait((index, req.as_sent(exc)))
             return
         except Exception as exc:
             log.exception("unexpected error generating choice %d", index)
@@ -301,7 +303,10 @@ class OpenAIHttpApi:
         return JSONResponse({"object": "list", "data": [await self._card()]})
 
     async def _model(self, request: Request) -> Response:
-        """OpenAI's ``GET /v1/models/{model}``: the served model's card, another name a 404."""
+        """OpenAI's ``GET /v1/models/{model}``: the served model's card, another name a 404
+        (``/v1/models/``, no name: the list)."""
+        if not request.path_params["model"]:
+            return await self._models(request)
         self._known(request.path_params["model"])
         return JSONResponse(await self._card())
 

@@ -15,17 +15,19 @@ Pure: no I/O, no Starlette, so the rules are tested without a server.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway_service.messages import GenerateInput
 from servicekit.contract.chat import check_chat_message
-from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
 MAX_N = 16  # choices per request: each is one admitted request
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to what the model has room for
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs as JSON (switches and short values, not documents)
 
 # Keys accepted but without effect on generation, with the reason.
 _INERT = {
@@ -51,10 +53,15 @@ _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_id
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                       "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
-# apply_chat_template's own arguments: chat_template_kwargs are variables of the template, never these
-_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# chat_template_kwargs are variables of the template, never these: apply_chat_template's and its
+# renderer's own arguments, the special tokens it passes (a caller would replace the model's BOS), the
+# template helpers, and the tool lists (tools are refused)
+_TEMPLATE_ARGS = frozenset({
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens", "raise_exception", "strftime_now", "custom_tools", "builtin_tools"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,14 @@ class OpenAIRequest:
     logprobs: bool = False  # report logprobs (their count is in the sampling params)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (see chat_max_tokens)
+    max_tokens_field: str = "max_tokens"  # what the caller called it (chat: max_completion_tokens)
+
+    def as_sent(self, exc: PagedServeError) -> PagedServeError:
+        """``exc`` naming the output length as the caller did (the gateway's checks say max_tokens)."""
+        if (isinstance(exc, InvalidArgumentError) and exc.field == "max_tokens"
+                and self.max_tokens_field != "max_tokens"):
+            return InvalidArgumentError(self.max_tokens_field, exc.message.replace("max_tokens", self.max_tokens_field))
+        return exc
 
     def choice_inputs(self) -> list[GenerateInput]:
         """One input per choice. With a seed, sample ``j`` uses ``seed + j`` so the ``n`` samples
@@ -118,9 +133,11 @@ def check_keys(body: Any, allowed: frozenset[str]) -> dict:
     for key, value in body.items():
         if key not in allowed and value is not None:
             raise InvalidArgumentError(key, "is not a supported parameter")
-        if key in _OFF_ONLY and value is not None and value not in _OFF_ONLY[key]:
+        off = _OFF_ONLY.get(key)
+        # compared with their types: 0 is not False, True is not 1
+        if off is not None and value is not None and not any(type(value) is type(v) and value == v for v in off):
             raise InvalidArgumentError(key, "is not supported" + (
-                f" (only {_OFF_ONLY[key][0]!r})" if _OFF_ONLY[key] else ""))
+                f" (only {' or '.join(map(repr, off))})" if off else ""))
     return body
 
 
@@ -194,6 +211,7 @@ def _common(body: dict) -> dict[str, Any]:
     return dict(model=_get(body, "model", str, ""), request_id=_get(body, "request_id", str, ""),
                 priority=_get(body, "priority", int, 0), cache_salt=_get(body, "cache_salt", str, ""),
                 include_special_tokens=not _get(body, "skip_special_tokens", bool, True),
+                keep_stop_token_text=_get(body, "include_stop_str_in_output", bool, False),
                 truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int))
 
 
@@ -203,7 +221,7 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
         raise InvalidArgumentError("n", f"must be in [1, {MAX_N}], got {n}")
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
-    if options and not stream:
+    if options and not stream:  # even {"include_usage": null}, as vLLM's tests want
         raise InvalidArgumentError("stream_options", "only allowed with stream: true")
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
@@ -319,7 +337,8 @@ def parse_chat(body: Any) -> OpenAIRequest:
         raise InvalidArgumentError(names[exc.field], exc.message) from None
     inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body),
                         chat_template_kwargs=_template_kwargs(body))
-    return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None)
+    return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None,
+                   max_tokens_field=names["max_tokens"])
 
 
 def _template_options(body: dict) -> dict[str, bool]:
@@ -335,6 +354,9 @@ def _template_kwargs(body: dict) -> dict[str, Any] | None:
     kwargs = _get(body, "chat_template_kwargs", dict)
     if not kwargs:
         return None
+    size = len(json.dumps(kwargs))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidArgumentError("chat_template_kwargs", f"{size} bytes as JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}")
     for key in kwargs:
         if key in _TEMPLATE_ARGS:
             raise InvalidArgumentError(f"chat_template_kwargs.{key}", "is not a template variable (set it elsewhere)")

@@ -109,7 +109,6 @@ class ChoiceState:
     started: bool = False  # a streamed chat choice sends role "assistant" in its first delta
     num_chars: int = 0  # characters of text taken so far (completions' logprobs text_offset)
     num_prompt_tokens: int = 0
-    token_text: Callable[[int], str] | None = None  # include_stop_str_in_output: a stop token's text
 
     def add(self, chunk: GenerateChunk, include_stop_str: bool) -> tuple[str, list[TokenLogprobs], list[int]]:
         """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
@@ -122,10 +121,8 @@ class ChoiceState:
                 self.stop_reason = chunk.stop_string
                 if include_stop_str:
                     text += chunk.stop_string
-            elif chunk.stop_token_id is not None:  # vLLM: the id is the stop_reason; its text only when asked
+            elif chunk.stop_token_id is not None:  # vLLM: the id is the stop_reason (its text: ChunkAssembler)
                 self.stop_reason = chunk.stop_token_id
-                if include_stop_str and self.token_text is not None:
-                    text += self.token_text(chunk.stop_token_id)
         if not self.text:
             text = self.prefix + text
         self.text.append(text)

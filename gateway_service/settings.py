@@ -44,6 +44,9 @@ class GatewaySettings:
     key_prefix: str = key_prefix_setting()
     max_queued_requests: int = setting(
         1024, help="requests waiting in Redis beyond which Generate answers RESOURCE_EXHAUSTED (0: no limit)")
+    max_requests_per_call: int = setting(
+        2048, help="requests one OpenAI HTTP call may ask for (prompts x n); more is a 400 before any prompt is "
+                   "tokenized (0: no limit)")
     output_ttl_s: int = output_ttl_setting()
     registry_refresh_s: float = setting(2.0, help="worker registry re-read period")
     read_block_ms: int = setting(1000, help="longest blocking XREAD of the output fan-out loop")
@@ -98,7 +101,7 @@ class GatewaySettings:
         redis_client.validate(self)
         RedisKeys(self.key_prefix)
         self.tls.check(server=True)
-        for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0),
+        for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0), ("max_requests_per_call", 0),
                             ("max_message_bytes", 1), ("max_concurrent_streams", 1), ("max_buffered_outputs", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name}: must be >= {least}, got {getattr(self, name)}")

@@ -13,6 +13,7 @@ this module, so the same request gives the same tokens and text in-process and s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -51,9 +52,9 @@ class PromptTokenizer:
         model continues it (a prefilled reply; then ``add_generation_prompt`` must be off).
         ``template_kwargs``: extra variables the template reads (``enable_thinking``)."""
         if not messages:
-            raise InvalidArgumentError("chat", "at least one message is required")
+            raise InvalidArgumentError("messages", "at least one message is required")
         if chat_template is None and getattr(self.hf, "chat_template", None) is None:
-            raise InvalidArgumentError("chat", "the model has no chat template")
+            raise InvalidArgumentError("messages", "the model has no chat template")
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidArgumentError("continue_final_message", "cannot be combined with add_generation_prompt "
@@ -69,9 +70,15 @@ class PromptTokenizer:
             # that does not render the final message's text as given, or template_kwargs it cannot use
             raise InvalidArgumentError("messages", f"the chat template cannot render them: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, str]], **template_options) -> list[int]:
-        """The token ids of :meth:`chat_text` (the template already holds the special tokens)."""
-        return list(self.hf.encode(self.chat_text(messages, **template_options), add_special_tokens=False))
+    def encode_chat(self, messages: list[dict[str, str]], *, check_size: Callable[[int], None] | None = None,
+                    **template_options) -> list[int]:
+        """The token ids of :meth:`chat_text` (the template already holds the special tokens).
+        ``check_size`` is given the rendered text's size in bytes before it is tokenized (a template
+        may add much to the turns: its own text, template variables, a variable per turn)."""
+        text = self.chat_text(messages, **template_options)
+        if check_size is not None:
+            check_size(len(text.encode()))
+        return list(self.hf.encode(text, add_special_tokens=False))
 
 
 REPLACEMENT_CHAR = "\ufffd"

@@ -353,14 +353,15 @@ class Scheduler:
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:
-        """The finished status after ``token`` was appended, or None: LENGTH at max_tokens (admission
-        made prompt + max_tokens <= max_model_len, so this also stops at the model's length), STOP on
-        EOS (unless ignore_eos) or a stop token id once min_tokens outputs exist."""
+        """The finished status after ``token`` was appended, or None: STOP on EOS (unless ignore_eos)
+        or a stop token id once min_tokens outputs exist — also as the last token max_tokens allows,
+        as vLLM checks (the stop token then reads as one) — else LENGTH at max_tokens (admission made
+        prompt + max_tokens <= max_model_len, so this also stops at the model's length)."""
         num_out = len(request.output_token_ids)
-        if num_out >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
         if token in request.stop_token_set and num_out >= request.sampling_params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
+        if num_out >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
         return None
 
     # -- aborts, preemption, bookkeeping --------------------------------------------------------------

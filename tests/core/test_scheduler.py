@@ -316,6 +316,9 @@ def test_request_created_with_delivered_outputs_resumes_after_them():
         (dict(stop_token_ids=(42,), ignore_eos=True), [EOS, 42], [EOS, 42], FinishReason.STOP),
         (dict(stop_token_ids=(42,), min_tokens=2), [42, 42], [42, 42], FinishReason.STOP),
         (dict(), [7] * 6, [7] * 5, FinishReason.LENGTH),
+        # a stop token as the last token max_tokens allows still reads as one (vLLM checks it first)
+        (dict(stop_token_ids=(42,)), [7, 7, 7, 7, 42], [7, 7, 7, 7, 42], FinishReason.STOP),
+        (dict(), [7, 7, 7, 7, EOS], [7, 7, 7, 7, EOS], FinishReason.STOP),
     ],
 )
 def test_stop_conditions(params, tokens, expected, reason):

@@ -169,7 +169,7 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_queued: int):
+async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_queued: int, **settings):
     """A gateway on key ``prefix``, where no scheduler reads, so its requests wait in Redis; a
     registered (absent) worker of the stack's model gives it the model's limits. Yields (gateway,
     redis, keys)."""
@@ -190,7 +190,8 @@ async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_que
         eos_token_ids=info.eos_token_ids), ttl_s=30)
     await heartbeat.start()
     gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
-                                         key_prefix=prefix, max_queued_requests=max_queued, read_block_ms=200),
+                                         key_prefix=prefix, max_queued_requests=max_queued, read_block_ms=200,
+                                         **settings),
                          hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:

@@ -284,6 +284,8 @@ async def test_a_stop_token_id_ends_the_output_without_its_text_as_in_vllm(stack
         kept = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=12, temperature=0,
                                                extra_body={"ignore_eos": True, "stop_token_ids": [stop_id],
                                                            "include_stop_str_in_output": True})
+    at_limit = llm.generate([prompt], SamplingParams(max_tokens=k + 1, stop_token_ids=[stop_id], **greedy))[0]
+    assert (at_limit.text, at_limit.finish_reason, at_limit.stop_token_id) == (before, "stop", stop_id)
     choice = whole.model_dump()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (before, "stop", stop_id)
     assert kept.choices[0].text == before + hf_tokenizer.decode([stop_id])
@@ -401,6 +403,17 @@ async def test_empty_turns_and_zero_logprobs_as_openai_clients_send_them(stack):
     assert all(top == {token: p} for top, token, p in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
 
 
+async def test_a_chat_overflow_names_max_completion_tokens_when_that_was_sent(stack):
+    async with async_client(stack) as client:
+        for field in ("max_completion_tokens", "max_tokens"):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Hi"}],
+                                                     **{field: stack.worker.info.max_model_len})
+            error = caught.value.body
+            assert error["param"] == field and "maximum context length" in error["message"], error
+            assert f"lower {field} to at most" in error["message"], error
+
+
 async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
     async with async_client(stack) as client:
         models = await client.models.list()
@@ -409,6 +422,8 @@ async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
             await client.models.retrieve("no-such-model")
     assert [m.id for m in models.data] == [stack.model] and model.id == stack.model
     assert model.model_dump()["max_model_len"] == stack.worker.info.max_model_len
+    status, listed = await asyncio.to_thread(http, stack, "GET", "/v1/models/")
+    assert status == 200 and [m["id"] for m in listed["data"]] == [stack.model]
     assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "GET", "/ping"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "POST", "/ping"))[0] == 200

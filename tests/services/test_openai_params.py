@@ -181,6 +181,12 @@ def test_chat_errors_name_the_field_the_caller_sent_and_seeds_take_int64():
     assert parse_chat({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 0}).inputs
     seeds = [parse_completion({"prompt": "a", "seed": s}).inputs[0].sampling_params.seed for s in (-1, -2**63, 5)]
     assert seeds == [2**63 - 1, 0, 5]
+    # off-only values compare with their types; the refusal names every accepted value
+    for body in ({"store": 0}, {"best_of": True}):
+        with pytest.raises(InvalidArgumentError):
+            parse_completion({"prompt": "a", **body})
+    with pytest.raises(InvalidArgumentError, match="'auto' or 'default'"):
+        parse_completion({"prompt": "a", "service_tier": "priority"})
 
 
 def test_a_chat_template_that_refuses_the_turns_is_a_400_naming_messages(hf_tokenizer):
@@ -197,6 +203,28 @@ def test_a_chat_template_that_refuses_the_turns_is_a_400_naming_messages(hf_toke
         with pytest.raises(InvalidArgumentError, match=words) as caught:
             tok.chat_text(messages, chat_template=template, template_kwargs=kwargs, add_generation_prompt=False)
         assert caught.value.field == "messages"
+
+
+def test_chat_template_kwargs_are_bounded_and_the_rendered_text_is_measured_before_tokenizing(hf_tokenizer):
+    from gateway_service.text import PromptTokenizer
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"x": "y" * 70_000}})
+    assert caught.value.field == "chat_template_kwargs"
+    for key in ("bos_token", "custom_tools", "sanitize_control_tokens", "raise_exception"):
+        with pytest.raises(InvalidArgumentError) as caught:
+            parse_chat({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {key: 1}})
+        assert caught.value.field == f"chat_template_kwargs.{key}"
+    # a template may render a variable per turn: the text's size is checked before it is tokenized
+    template = "{% for m in messages %}{{ pad }}{{ m.content }}{% endfor %}"
+    sizes = []
+    def check(size: int) -> None:
+        sizes.append(size)
+        raise InvalidArgumentError("messages", "too long")
+    with pytest.raises(InvalidArgumentError, match="too long"):
+        PromptTokenizer(hf_tokenizer).encode_chat([{"role": "user", "content": "a"}] * 10, chat_template=template,
+                                                  template_kwargs={"pad": "p" * 1000}, check_size=check,
+                                                  add_generation_prompt=False)
+    assert sizes == [10 * 1001]
 
 
 def test_chat_template_kwargs_and_add_special_tokens_reach_the_input(hf_tokenizer):

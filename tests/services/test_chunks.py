@@ -1,0 +1,57 @@
+"""ChunkAssembler: a request's output records -> the chunks its reader gets, around the token that
+ends the output as a stop token (vLLM's rule: in the token ids, not in the text, the id reported)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway_service.chunks import ChunkAssembler
+from scheduler_service.convert import engine_output_to_record
+from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.step import EngineCoreOutput, FinishReason
+
+STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
+
+
+@pytest.fixture
+def ids(hf_tokenizer):
+    a, b, s = hf_tokenizer.encode("hello world again", add_special_tokens=False)[:3]
+    return a, b, s, hf_tokenizer.eos_token_id
+
+
+def assemble(tokenizer, records, stop_id, *, resume=None, skip_special=True, keep=False):
+    """(text, token ids, stop_token_id, finish reason) of feeding ``records`` one feed each;
+    a record is (token ids, first index, finish reason)."""
+    asm = ChunkAssembler("r", tokenizer, [1], SamplingParams(max_tokens=10, stop_token_ids=[stop_id]),
+                         resume_from_index=resume, skip_special_tokens=skip_special, keep_stop_token_text=keep,
+                         on_stop_string=lambda: None)
+    text, tokens, last = "", [], None
+    for token_ids, first, finish in records:
+        chunk = asm.feed([engine_output_to_record(EngineCoreOutput("r", list(token_ids), first, finish))])
+        if chunk is not None:
+            text, tokens, last = text + chunk.text, tokens + chunk.token_ids, chunk
+    assert asm.done or last.finish_reason is not None
+    return text, tokens, last.stop_token_id, last.finish_reason
+
+
+def test_a_stop_token_stays_in_the_ids_not_the_text_however_records_arrive(hf_tokenizer, ids):
+    a, b, s, _eos = ids
+    before = assemble(hf_tokenizer, [([a, b], 0, LENGTH)], s)[0]  # the text of a, b
+    expected = (before, [a, b, s], s, STOP)
+    assert assemble(hf_tokenizer, [([a, b, s], 0, STOP)], s) == expected  # --stream-interval: one record
+    assert assemble(hf_tokenizer, [([a], 0, None), ([b], 1, None), ([s], 2, STOP)], s) == expected
+    # replayed after a failover: the new scheduler publishes from index 0 again
+    assert assemble(hf_tokenizer, [([a, b], 0, None), ([a, b, s], 0, STOP)], s) == expected
+    # a reader resuming at the stop token gets it with no text
+    assert assemble(hf_tokenizer, [([a, b, s], 0, STOP)], s, resume=2) == ("", [s], s, STOP)
+
+
+def test_include_stop_str_keeps_its_text_and_eos_is_a_stop_token_without_an_id(hf_tokenizer, ids):
+    a, b, s, eos = ids
+    whole = assemble(hf_tokenizer, [([a, b, s], 0, LENGTH)], s)[0]  # the text of a, b, s
+    assert assemble(hf_tokenizer, [([a, b, s], 0, STOP)], s, keep=True) == (whole, [a, b, s], s, STOP)
+    before = assemble(hf_tokenizer, [([a, b], 0, LENGTH)], s, skip_special=False)[0]
+    # EOS ends the output without its text even when special tokens are kept, and it is no stop id
+    assert assemble(hf_tokenizer, [([a, b, eos], 0, STOP)], s, skip_special=False) == (before, [a, b, eos], None, STOP)
+    # a stop token within the output (not ending it) is text like any other
+    assert assemble(hf_tokenizer, [([s, a], 0, LENGTH)], s)[0] == assemble(hf_tokenizer, [([s, a], 0, LENGTH)], 0)[0]
