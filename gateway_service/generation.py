@@ -44,6 +44,16 @@ from servicekit.redis_keys import RedisKeys
 log = logging.getLogger(__name__)
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# What a chat template may add to the turns' text (markers per turn; its own text and variables)
+TEMPLATE_BYTES_PER_TURN = 512
+TEMPLATE_BYTES = 128 << 10
+
+
+def rendered_chat_limit(text_bytes: int, num_turns: int) -> int:
+    """The most bytes a chat's rendered text may have, before it is tokenized: the text the model
+    takes (``text_bytes``; the turns' own bytes are checked against it first), the template's markers
+    per turn and its own text and variables — not a template variable repeated per turn."""
+    return text_bytes + num_turns * TEMPLATE_BYTES_PER_TURN + TEMPLATE_BYTES
 
 
 class _Reading:
@@ -156,7 +166,7 @@ class GenerationService:
             self._check_size(sum(len(m["role"].encode()) + len(m["content"].encode()) for m in messages),
                              limits, "messages")
             return await asyncio.to_thread(self.tokenizer.encode_chat, messages,
-                                           check_size=lambda n: self._check_size(n, limits, "messages"),
+                                           check_size=lambda n: self._check_rendered(n, limits, len(messages)),
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message,
                                            template_kwargs=chat_template_kwargs)
@@ -171,6 +181,13 @@ class GenerationService:
                 field, f"This model's maximum context length is {limits.max_model_len} tokens, which is at most "
                        f"{max_bytes} bytes of text ({self._prompt_bytes_per_token} bytes per token, "
                        f"--prompt-bytes-per-token); got {num_bytes} bytes")
+
+    def _check_rendered(self, num_bytes: int, limits: ModelInfo, num_turns: int) -> None:
+        max_bytes = rendered_chat_limit(limits.max_model_len * self._prompt_bytes_per_token, num_turns)
+        if num_bytes > max_bytes:
+            raise InvalidArgumentError("messages", f"the chat template rendered {num_bytes} bytes; at most {max_bytes} "
+                                                   f"(the model's length in bytes, {TEMPLATE_BYTES_PER_TURN} a turn and "
+                                                   f"{TEMPLATE_BYTES} for the template's own text and variables)")
 
     async def prompt_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
         """The token ids ``inp`` asks to continue: given, or its text or chat tokenized (the chat

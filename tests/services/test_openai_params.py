@@ -215,6 +215,7 @@ def test_chat_template_kwargs_are_bounded_and_the_rendered_text_is_measured_befo
             parse_chat({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {key: 1}})
         assert caught.value.field == f"chat_template_kwargs.{key}"
     # a template may render a variable per turn: the text's size is checked before it is tokenized
+    # (GenerationService gives a bound of the model's length in bytes, 512 a turn and 128 KiB)
     template = "{% for m in messages %}{{ pad }}{{ m.content }}{% endfor %}"
     sizes = []
     def check(size: int) -> None:
@@ -225,6 +226,9 @@ def test_chat_template_kwargs_are_bounded_and_the_rendered_text_is_measured_befo
                                                   template_kwargs={"pad": "p" * 1000}, check_size=check,
                                                   add_generation_prompt=False)
     assert sizes == [10 * 1001]
+    from gateway_service.generation import rendered_chat_limit
+    limit = rendered_chat_limit(512 * 16, 1024)  # the tiny model's length in bytes, the most turns
+    assert 30_840 < limit < 1024 * 64 << 10  # 1024 "hi" turns pass; a 64 KiB variable per turn does not
 
 
 def test_chat_template_kwargs_and_add_special_tokens_reach_the_input(hf_tokenizer):
