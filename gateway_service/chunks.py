@@ -2,7 +2,8 @@
 strings applied, repeats after a failover dropped, tokens below ``resume_from_index`` not sent
 again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
 the token ids but adds no text (unless ``keep_stop_token_text``: vLLM's include_stop_str_in_output,
-then it is detokenized as any other), as in vLLM. Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
+then it is detokenized as any other), as in vLLM. Synchronous: the caller brings the records
+(waiting for them or handed them by the fanout).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class ChunkAssembler:
                 self._next_index = index + 1
                 if j == stop_token:
                     chunk.stop_token_id = token if token in self._stop_token_ids else None
-                piece, stop = ("", None) if j == stop_token and not self._keep_stop_token_text else self._text.add(token)
+                silent = j == stop_token and not self._keep_stop_token_text
+                piece, stop = ("", None) if silent else self._text.add(token)
                 if index >= self._start:
                     chunk.token_ids.append(token)
                     text.append(piece)

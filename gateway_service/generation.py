@@ -159,7 +159,8 @@ class GenerationService:
         """The token ids of ``text`` (with the model's special tokens unless ``add_special_tokens``
         is off) or ``messages`` (through the chat template, with its generation prompt unless
         ``add_generation_prompt`` is off, or ending inside the last turn with
-        ``continue_final_message``; ``chat_template_kwargs``: extra template variables), computed in a thread. Text the model could not take whole
+        ``continue_final_message``; ``chat_template_kwargs``: extra template variables), computed in
+        a thread. Text the model could not take whole
         is refused by its size first: a token covers at most ``prompt_bytes_per_token`` bytes, so
         more than ``max_model_len`` times that many bytes is more than ``max_model_len`` tokens."""
         if messages is not None:
@@ -185,9 +186,10 @@ class GenerationService:
     def _check_rendered(self, num_bytes: int, limits: ModelInfo, num_turns: int) -> None:
         max_bytes = rendered_chat_limit(limits.max_model_len * self._prompt_bytes_per_token, num_turns)
         if num_bytes > max_bytes:
-            raise InvalidArgumentError("messages", f"the chat template rendered {num_bytes} bytes; at most {max_bytes} "
-                                                   f"(the model's length in bytes, {TEMPLATE_BYTES_PER_TURN} a turn and "
-                                                   f"{TEMPLATE_BYTES} for the template's own text and variables)")
+            raise InvalidArgumentError(
+                "messages", f"the chat template rendered {num_bytes} bytes; at most {max_bytes} (the model's length "
+                            f"in bytes, {TEMPLATE_BYTES_PER_TURN} a turn and {TEMPLATE_BYTES} for the template's own "
+                            "text and variables)")
 
     async def prompt_ids(self, inp: GenerateInput, limits: ModelInfo) -> list[int]:
         """The token ids ``inp`` asks to continue: given, or its text or chat tokenized (the chat

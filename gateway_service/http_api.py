@@ -240,7 +240,8 @@ class OpenAIHttpApi:
         responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text)
         choices = [ChoiceState(i, prefix=prefixes[i]) for i in range(len(inputs))]
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner, req)) for i, inp in enumerate(inputs)]
+        tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner, req))
+                 for i, inp in enumerate(inputs)]
         try:
             # Whole or streamed, the first item decides the status: an input refused at admission
             # (400, 429, 503) is an HTTP error, not an event in a 200 stream.

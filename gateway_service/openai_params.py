@@ -5,7 +5,8 @@ Every key of a body is either mapped onto :class:`~gateway_service.messages.Gene
 :class:`InvalidArgumentError` naming it: a parameter we would otherwise ignore (``tools``,
 ``suffix``) changes what the caller expects back, so it is a 400, never silently
 dropped. ``null`` means "not given", as in OpenAI's API — for any key, also one we do not know
-(clients that serialize every field of their model send ``"tools": null`` or ``"metadata": null``). Range checks stay where they live
+(clients that serialize every field of their model send ``"tools": null`` or ``"metadata": null``).
+Range checks stay where they live
 (``SamplingParams.__post_init__``, the gateway's prompt checks): this module only checks types and
 shapes, and renames (``max_completion_tokens`` → ``max_tokens``, ``skip_special_tokens`` →
 ``include_special_tokens``).
@@ -374,7 +375,8 @@ def chat_max_tokens(inp: GenerateInput, prompt_token_ids: list[int], max_model_l
 def parse_tokenize(body: Any) -> tuple[str, str | None, list[dict[str, str]] | None, dict[str, Any]]:
     """``POST /tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` (vLLM's shape), plus
     ``model``, ``add_special_tokens`` (prompt; default true), ``add_generation_prompt``,
-    ``continue_final_message`` and ``chat_template_kwargs`` (messages; as in chat). Returns (model, prompt, messages, the
+    ``continue_final_message`` and ``chat_template_kwargs`` (messages; as in chat). Returns (model,
+    prompt, messages, the
     options as keyword arguments of ``GenerationService.tokenize``)."""
     body = check_keys(body, frozenset({"model", "prompt", "messages", "add_special_tokens",
                                        "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}))

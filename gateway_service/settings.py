@@ -101,7 +101,8 @@ class GatewaySettings:
         redis_client.validate(self)
         RedisKeys(self.key_prefix)
         self.tls.check(server=True)
-        for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0), ("max_requests_per_call", 0),
+        for name, least in (("max_requests_per_key", 0), ("max_tokens_per_key_per_minute", 0),
+                            ("max_requests_per_call", 0),
                             ("max_message_bytes", 1), ("max_concurrent_streams", 1), ("max_buffered_outputs", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name}: must be >= {least}, got {getattr(self, name)}")

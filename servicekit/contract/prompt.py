@@ -21,7 +21,8 @@ def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) ->
     begins as OpenAI's and vLLM's do ("This model's maximum context length is ..."): clients
     (LiteLLM, agent frameworks) recognise a context overflow by it."""
     total = f"This model's maximum context length is {max_model_len} tokens. However, you requested " \
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the completion)"
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, " \
+            f"{max_tokens} for the completion)"
     if num_prompt_tokens >= max_model_len:
         return InvalidArgumentError("prompt", f"{total}: a prompt takes at most {max_model_len - 1} tokens")
     if num_prompt_tokens + max_tokens > max_model_len:

@@ -392,9 +392,9 @@ async def test_empty_turns_and_zero_logprobs_as_openai_clients_send_them(stack):
     ``logprobs: 0`` gives each position's sampled token alone (OpenAI: up to logprobs + 1)."""
     async with async_client(stack) as client:
         chat = await client.chat.completions.create(
-            model=stack.model, max_tokens=2, messages=[{"role": "system", "content": ""}, {"role": "user", "content": "Hi"},
-                                                       {"role": "assistant", "content": ""},
-                                                       {"role": "user", "content": "Hi again"}])
+            model=stack.model, max_tokens=2,
+            messages=[{"role": "system", "content": ""}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": ""}, {"role": "user", "content": "Hi again"}])
         done = await client.completions.create(model=stack.model, prompt="Hello", max_tokens=3, logprobs=0,
                                                temperature=0)
     assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens >= 1

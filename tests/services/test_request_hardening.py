@@ -238,7 +238,8 @@ async def test_an_http_call_asking_for_too_many_requests_is_refused_at_once(stac
                                      max_requests_per_call=4) as (gateway, redis, keys):
         def post(body: dict) -> tuple[int, dict]:
             request = urllib.request.Request(f"http://127.0.0.1:{gateway.http_port}/v1/completions",
-                                             data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+                                             data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(request, timeout=30) as reply:
                     return reply.status, json.loads(reply.read())
