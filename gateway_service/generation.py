@@ -292,13 +292,14 @@ class GenerationService:
         try:
             try:
                 if inp.resume_from_index is not None:
-                    await self._queue.join(request_id, digests, self._fanout.wake_key, owner)
+                    await self._landed(request_id, self._queue.join(request_id, digests, self._fanout.wake_key, owner))
                 else:
                     record = convert.engine_request_to_record(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt)
                     sent = time.perf_counter()
-                    await self._queue.admit(request_id, record, digests, self._fanout.wake_key, owner)
+                    await self._landed(request_id, self._queue.admit(request_id, record, digests,
+                                                                     self._fanout.wake_key, owner))
                     if self._metrics is not None:
                         self._metrics.redis_admit.observe(time.perf_counter() - sent)
             except ResponseError as exc:  # Redis answered, and refused (out of memory, read-only replica)
@@ -329,6 +330,22 @@ class GenerationService:
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
             self._per_key.release(owner)
+
+    async def _landed(self, request_id: str, admission) -> None:
+        """Await ``admission`` (an admit or a join in Redis). Cancelled meanwhile — the call's deadline
+        passed, its client left — the admission still runs to its end: if it lands, this call leaves
+        the request as a reader who did not finish it (so it is aborted unless another call reads
+        it), else the request would run to max_tokens with nobody reading (seen under load with
+        0.3 s deadlines: five such requests generated 400 tokens each)."""
+        task = asyncio.ensure_future(admission)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def landed(done: asyncio.Future) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._in_background(self._leave(request_id, abort=True))
+            task.add_done_callback(landed)
+            raise
 
     # -- aborts and draining --------------------------------------------------------------------------
 

@@ -142,6 +142,31 @@ async def test_deadline_aborts_the_request_and_frees_its_blocks(stack):
     await wait_until_kv_free(stack.scheduler_address)
 
 
+async def test_a_call_whose_deadline_passes_while_redis_admits_it_still_aborts_it(stack, monkeypatch):
+    """The deadline (or the client leaving) cancels the call with its admission in flight: once the
+    admission lands the request is aborted, not left to run to max_tokens with nobody reading (seen
+    under load with 0.3 s deadlines)."""
+    from gateway_service.request_queue import RequestQueue
+    from pagedserve.errors import DeadlineExceededError
+
+    admit = RequestQueue.admit
+
+    async def slow_reply(self, *args, **kwargs):
+        await admit(self, *args, **kwargs)  # admitted in Redis; the reply comes late
+        await asyncio.sleep(1.0)
+
+    monkeypatch.setattr(RequestQueue, "admit", slow_reply)
+    before = (await scheduler_stats(stack.scheduler_address)).num_aborted
+    async with AsyncClient(stack.gateway_address, retries=0) as client:
+        with pytest.raises(DeadlineExceededError):
+            await client.generate("Admitted too late to read", max_tokens=450, ignore_eos=True, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while (await scheduler_stats(stack.scheduler_address)).num_aborted == before:
+        assert time.monotonic() < deadline, "the request was never aborted"
+        await asyncio.sleep(0.05)
+    await wait_until_kv_free(stack.scheduler_address)
+
+
 async def test_resume_streams_a_request_again_from_an_output_index(stack):
     async with AsyncClient(stack.gateway_address, timeout=60) as client:
         original = await client.generate("Resume me", max_tokens=20, ignore_eos=True, seed=7,
