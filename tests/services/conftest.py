@@ -168,6 +168,20 @@ class Stack:
         return self.worker.address
 
 
+def post_json(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    """(status, JSON reply) of one plain HTTP POST of ``body`` (stdlib; errors are replies too)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 @contextlib.asynccontextmanager
 async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_queued: int, **settings):
     """A gateway on key ``prefix``, where no scheduler reads, so its requests wait in Redis; a

@@ -190,11 +190,9 @@ async def test_a_request_id_in_use_is_refused_and_an_unknown_one_cannot_be_resum
 
 
 async def test_allowed_token_ids_through_the_sdk_and_http(stack, llm):
-    import json
-    import urllib.error
-    import urllib.request
-
     from pagedserve.errors import InvalidArgumentError
+
+    from .conftest import post_json
 
     allowed = [11, 42, 300, 777]
     params = SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True, allowed_token_ids=allowed)
@@ -213,13 +211,7 @@ async def test_allowed_token_ids_through_the_sdk_and_http(stack, llm):
     assert outside.value.field == "allowed_token_ids"
 
     def http(body: dict) -> tuple[int, dict]:
-        request = urllib.request.Request(stack.http_url + "/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return post_json(stack.http_url + "/completions", body)
     status, reply = await asyncio.to_thread(http, {
         "prompt": "Choose", "max_tokens": 6, "temperature": 0.9, "seed": 4, "ignore_eos": True,
         "allowed_token_ids": allowed, "logprobs": 0, "return_tokens_as_token_ids": True})

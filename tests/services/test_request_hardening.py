@@ -228,23 +228,12 @@ async def test_a_redis_out_of_memory_refuses_admission_saying_why(stack, hf_toke
 async def test_an_http_call_asking_for_too_many_requests_is_refused_at_once(stack, hf_tokenizer):
     """One call's prompts × n past --max-requests-per-call is a 400 before any prompt is tokenized
     or admitted (20,000 prompts took the gateway 12 s to refuse one by one); it names n for one prompt."""
-    import json
-    import urllib.error
-    import urllib.request
-
-    from .conftest import queue_limited_gateway
+    from .conftest import post_json, queue_limited_gateway
 
     async with queue_limited_gateway(stack, hf_tokenizer, "many:", max_queued=100,
                                      max_requests_per_call=4) as (gateway, redis, keys):
         def post(body: dict) -> tuple[int, dict]:
-            request = urllib.request.Request(f"http://127.0.0.1:{gateway.http_port}/v1/completions",
-                                             data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=30) as reply:
-                    return reply.status, json.loads(reply.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, json.loads(exc.read())
+            return post_json(f"http://127.0.0.1:{gateway.http_port}/v1/completions", body)
         status, reply = await asyncio.to_thread(post, {"prompt": ["Hi"] * 3, "n": 2, "max_tokens": 1})
         assert status == 400 and reply["error"]["param"] == "prompt", reply
         assert "6 requests" in reply["error"]["message"] and "at most 4" in reply["error"]["message"]
