@@ -1,9 +1,8 @@
 """A request's output records -> the chunks its reader is sent: detokenized incrementally, stop
 strings applied, repeats after a failover dropped, tokens below ``resume_from_index`` not sent
 again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
-the token ids but adds no text (unless ``keep_stop_token_text``: vLLM's include_stop_str_in_output,
-then it is detokenized as any other), as in vLLM. Synchronous: the caller brings the records
-(waiting for them or handed them by the fanout).
+the token ids but adds no text unless ``include_stop_str`` (``OutputText``'s rule, as in vLLM).
+Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
 """
 
 from __future__ import annotations
@@ -26,16 +25,16 @@ class ChunkAssembler:
     does not know stop strings: it must be aborted)."""
 
     def __init__(self, request_id: str, tokenizer, prompt_ids: list[int], params: SamplingParams, *,
-                 resume_from_index: int | None, skip_special_tokens: bool, keep_stop_token_text: bool = False,
+                 resume_from_index: int | None, skip_special_tokens: bool, include_stop_str: bool = False,
                  on_stop_string: Callable[[], None]) -> None:
         self._request_id = request_id
-        self._text = OutputText(tokenizer, prompt_ids, params.stop, skip_special_tokens=skip_special_tokens)
+        self._text = OutputText(tokenizer, prompt_ids, params.stop, skip_special_tokens=skip_special_tokens,
+                                include_stops=include_stop_str)
         self._start = resume_from_index or 0  # tokens below it were delivered before: not sent again
         self._next_index = 0  # every record token below it was seen (repeats after failover are dropped)
         self._num_cached = 0
         self._num_prompt = len(prompt_ids)
         self._stop_token_ids = frozenset(params.stop_token_ids)
-        self._keep_stop_token_text = keep_stop_token_text
         self._on_stop_string = on_stop_string
         self.done = False
 
@@ -59,8 +58,7 @@ class ChunkAssembler:
                 self._next_index = index + 1
                 if j == stop_token:
                     chunk.stop_token_id = token if token in self._stop_token_ids else None
-                silent = j == stop_token and not self._keep_stop_token_text
-                piece, stop = ("", None) if silent else self._text.add(token)
+                piece, stop = self._text.add(token, ends_output=j == stop_token)
                 if index >= self._start:
                     chunk.token_ids.append(token)
                     text.append(piece)

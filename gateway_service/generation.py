@@ -314,7 +314,7 @@ class GenerationService:
             log.debug("request %s prompt: %r", request_id, inp.prompt)
             assembler = ChunkAssembler(
                 request_id, self.tokenizer.hf, prompt_ids, params, resume_from_index=inp.resume_from_index,
-                skip_special_tokens=not inp.include_special_tokens, keep_stop_token_text=inp.keep_stop_token_text,
+                skip_special_tokens=not inp.include_special_tokens, include_stop_str=inp.include_stop_str,
                 on_stop_string=lambda: self._in_background(self._abort(request_id)))
             reading = _Reading(request_id, sub, assembler, owner, self._tokens_per_key,
                                self._metrics.start() if self._metrics is not None else None)

@@ -161,7 +161,7 @@ async def sse_events(item, queue: asyncio.Queue, num_live: int, choices: list[Ch
 
 def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
     offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
-    text, logprobs, _ids = choice.add(chunk, responder.req.include_stop_str)
+    text, logprobs, _ids = choice.add(chunk)
     if not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs):
         return None  # token ids that end mid-character: their text comes with the next chunk
     return responder.delta(choice, text, logprobs, offset)
@@ -253,7 +253,7 @@ class OpenAIHttpApi:
                 tasks = []  # the stream owns them now
                 return StreamingResponse(events, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
-            work = asyncio.create_task(self._collect(first, queue, len(tasks), choices, req.include_stop_str))
+            work = asyncio.create_task(self._collect(first, queue, len(tasks), choices))
             error = await _until_disconnect(request, work)
             return _error(error) if error is not None else JSONResponse(responder.whole(choices))
         finally:
@@ -283,8 +283,7 @@ class OpenAIHttpApi:
         queue.put_nowait((index, None))
 
     @staticmethod
-    async def _collect(item, queue: asyncio.Queue, num_live: int, choices: list[ChoiceState],
-                       include_stop_str: bool) -> PagedServeError | None:
+    async def _collect(item, queue: asyncio.Queue, num_live: int, choices: list[ChoiceState]) -> PagedServeError | None:
         """Take every choice's chunks; the first error ends the call (returned)."""
         while True:
             index, payload = item
@@ -295,7 +294,7 @@ class OpenAIHttpApi:
                 if num_live == 0:
                     return None
             else:
-                choices[index].add(payload, include_stop_str)
+                choices[index].add(payload)
             item = await queue.get()
 
     # -- the rest -------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ class GenerateInput:
     include_special_tokens: bool = False
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     add_special_tokens: bool = True  # prompt text only: the model's special tokens (BOS) added
-    keep_stop_token_text: bool = False  # a stop token's text stays in the text (include_stop_str_in_output)
+    include_stop_str: bool = False  # include_stop_str_in_output: a stop string's or stop token's text kept
     # messages only: how the chat template renders them (PromptTokenizer.chat_text)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

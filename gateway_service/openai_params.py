@@ -79,7 +79,6 @@ class OpenAIRequest:
     # stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk also carries its
     # choice's usage so far
     continuous_usage: bool = False
-    include_stop_str: bool = False  # include_stop_str_in_output
     echo: bool = False  # completions: the prompt's text before the completion
     logprobs: bool = False  # report logprobs (their count is in the sampling params)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
@@ -88,10 +87,12 @@ class OpenAIRequest:
 
     def as_sent(self, exc: PagedServeError) -> PagedServeError:
         """``exc`` naming the output length as the caller did (the gateway's checks say max_tokens)."""
-        if (isinstance(exc, InvalidArgumentError) and exc.field == "max_tokens"
-                and self.max_tokens_field != "max_tokens"):
-            return InvalidArgumentError(self.max_tokens_field, exc.message.replace("max_tokens", self.max_tokens_field))
-        return exc
+        return _renamed(exc, {"max_tokens": self.max_tokens_field})
+
+    @property
+    def include_stop_str(self) -> bool:
+        """include_stop_str_in_output: the inputs carry it (their text includes the stops)."""
+        return self.inputs[0].include_stop_str
 
     def choice_inputs(self) -> list[GenerateInput]:
         """One input per choice. With a seed, sample ``j`` uses ``seed + j`` so the ``n`` samples
@@ -105,6 +106,15 @@ class OpenAIRequest:
                 rid = f"{inp.request_id}-{j}" if inp.request_id and self.n > 1 else inp.request_id
                 out.append(replace(inp, sampling_params=params, request_id=rid))
         return out
+
+
+def _renamed(exc: PagedServeError, names: dict[str, str]) -> PagedServeError:
+    """``exc`` naming its field (in the field and the message) as the caller sent it: ``names`` maps
+    the gateway's names (SamplingParams') to the caller's."""
+    name = names.get(getattr(exc, "field", ""))
+    if not isinstance(exc, InvalidArgumentError) or name is None or name == exc.field:
+        return exc
+    return InvalidArgumentError(name, exc.message.replace(exc.field, name))
 
 
 def _get(body: dict, key: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
@@ -212,7 +222,7 @@ def _common(body: dict) -> dict[str, Any]:
     return dict(model=_get(body, "model", str, ""), request_id=_get(body, "request_id", str, ""),
                 priority=_get(body, "priority", int, 0), cache_salt=_get(body, "cache_salt", str, ""),
                 include_special_tokens=not _get(body, "skip_special_tokens", bool, True),
-                keep_stop_token_text=_get(body, "include_stop_str_in_output", bool, False),
+                include_stop_str=_get(body, "include_stop_str_in_output", bool, False),
                 truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int))
 
 
@@ -230,7 +240,6 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
     include_usage, continuous = (_stream_option(options, key) for key in ("include_usage", "continuous_usage_stats"))
     return OpenAIRequest(tuple(inputs), model=_get(body, "model", str, ""), n=n, stream=stream,
                          include_usage=include_usage, continuous_usage=include_usage and continuous,
-                         include_stop_str=_get(body, "include_stop_str_in_output", bool, False),
                          echo=echo, logprobs=logprobs,
                          tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False))
 
@@ -333,9 +342,7 @@ def parse_chat(body: Any) -> OpenAIRequest:
         params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
                            (top or 0) if logprobs else None)
     except InvalidArgumentError as exc:
-        if exc.field not in names:
-            raise
-        raise InvalidArgumentError(names[exc.field], exc.message) from None
+        raise _renamed(exc, names) from None
     inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body),
                         chat_template_kwargs=_template_kwargs(body))
     return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None,

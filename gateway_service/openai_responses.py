@@ -110,18 +110,16 @@ class ChoiceState:
     num_chars: int = 0  # characters of text taken so far (completions' logprobs text_offset)
     num_prompt_tokens: int = 0
 
-    def add(self, chunk: GenerateChunk, include_stop_str: bool) -> tuple[str, list[TokenLogprobs], list[int]]:
+    def add(self, chunk: GenerateChunk) -> tuple[str, list[TokenLogprobs], list[int]]:
         """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
         text = chunk.text
         self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = str(chunk.finish_reason)
             self.usage = chunk.usage
-            if chunk.stop_string:
+            if chunk.stop_string:  # in the text only with include_stop_str_in_output (OutputText)
                 self.stop_reason = chunk.stop_string
-                if include_stop_str:
-                    text += chunk.stop_string
-            elif chunk.stop_token_id is not None:  # vLLM: the id is the stop_reason (its text: ChunkAssembler)
+            elif chunk.stop_token_id is not None:  # vLLM: the id is the stop_reason
                 self.stop_reason = chunk.stop_token_id
         if not self.text:
             text = self.prefix + text

@@ -174,22 +174,32 @@ class StopStringMatcher:
 
 
 class OutputText:
-    """The text of one request's output, token by token: detokenized, stop strings applied.
+    """The text of one request's output, token by token: detokenized, stops applied as vLLM does.
 
     Invariant: the pieces returned by :meth:`add` and :meth:`finish` join to the output's text up to
-    (not including) the first stop string, which :meth:`add` reports with the token that completed it.
+    (not including) the first stop string, which :meth:`add` reports with the token that completed it,
+    and without the text of a stop token (EOS or a stop id) that ends the output. With
+    ``include_stops`` (vLLM's include_stop_str_in_output) both are part of the text.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (), *,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stops: bool = False) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
         self._matcher = StopStringMatcher(stop)
+        self._include_stops = include_stops
 
-    def add(self, token_id: int) -> tuple[str, str | None]:
-        """The text ``token_id`` releases, and the stop string it completed (then the output ends)."""
-        return self._matcher.feed(self._detokenizer.add(token_id))
+    def add(self, token_id: int, *, ends_output: bool = False) -> tuple[str, str | None]:
+        """The text ``token_id`` releases, and the stop string it completed (then the output ends).
+        ``ends_output``: the token ended the output as a stop token, so it adds no text (unless stops
+        are included)."""
+        if ends_output and not self._include_stops:
+            return "", None
+        return self._stopped(*self._matcher.feed(self._detokenizer.add(token_id)))
 
     def finish(self) -> tuple[str, str | None]:
         """At the output's end: the text still held back, and a stop string it completed, if any."""
         piece, stop = self._matcher.feed(self._detokenizer.flush())
-        return (piece, stop) if stop is not None else (piece + self._matcher.flush(), None)
+        return self._stopped(piece, stop) if stop is not None else (piece + self._matcher.flush(), None)
+
+    def _stopped(self, piece: str, stop: str | None) -> tuple[str, str | None]:
+        return (piece + stop, stop) if stop is not None and self._include_stops else (piece, stop)

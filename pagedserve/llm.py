@@ -86,10 +86,11 @@ class _Pending:
             self.token_ids.append(token)
             if self.logprobs is not None and logprobs:
                 self.logprobs.append(logprobs[i])
-            if stopped and i == len(token_ids) - 1:
+            ends_output = stopped and i == len(token_ids) - 1
+            if ends_output:
                 self.stop_token_id = token if token in self.stop_token_ids else None
-            elif self.text is not None:
-                piece, stop = self.text.add(token)
+            if self.text is not None:
+                piece, stop = self.text.add(token, ends_output=ends_output)
                 self.pieces.append(piece)
                 if stop is not None:
                     self.stop_string = stop

@@ -23,7 +23,7 @@ def assemble(tokenizer, records, stop_id, *, resume=None, skip_special=True, kee
     """(text, token ids, stop_token_id, finish reason) of feeding ``records`` one feed each;
     a record is (token ids, first index, finish reason)."""
     asm = ChunkAssembler("r", tokenizer, [1], SamplingParams(max_tokens=10, stop_token_ids=[stop_id]),
-                         resume_from_index=resume, skip_special_tokens=skip_special, keep_stop_token_text=keep,
+                         resume_from_index=resume, skip_special_tokens=skip_special, include_stop_str=keep,
                          on_stop_string=lambda: None)
     text, tokens, last = "", [], None
     for token_ids, first, finish in records:
