@@ -114,21 +114,31 @@ def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 436
     if blocks < 32 * -(-651 // BLOCK):
         raise SystemExit(f"--blocks must be at least {32 * -(-651 // BLOCK)} (32 sequences of up to 651 tokens)")
     gen = torch.Generator().manual_seed(0)
+    # bf16 as the worker runs on CPUs with AVX512-BF16; elsewhere the fp32 kernel the worker runs there
+    probe = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    cache_probe = torch.empty(KV_HEADS, 1, BLOCK, HEAD_DIM, dtype=torch.bfloat16).permute(1, 2, 0, 3)
+    dtype = torch.bfloat16
+    if cpu._function(dtype) is None or not cpu._supported(probe, cache_probe, cache_probe):
+        dtype = torch.float32
+        print("the C decode kernel has no bf16 path on this machine: decode timed in float32")
+    if against and dtype != torch.bfloat16:
+        raise SystemExit("--against compares the bf16 entry point, which this machine cannot run")
+    esize = torch.empty(0, dtype=dtype).element_size()
     caches = []
     for _ in range(layers):  # head-major memory, the logical [blocks, block, KV heads, head_dim] view
-        k, v = (zeros((KV_HEADS, blocks, BLOCK, HEAD_DIM), torch.bfloat16, torch.device("cpu"), populate=True)
+        k, v = (zeros((KV_HEADS, blocks, BLOCK, HEAD_DIM), dtype, torch.device("cpu"), populate=True)
                 for _ in range(2))
         k.copy_(torch.randn(k.shape, generator=gen)), v.copy_(torch.randn(v.shape, generator=gen))
         caches.append((k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)))
     lens = torch.randint(350, 651, (32,), generator=gen)
     per_seq = -(-651 // BLOCK)
     tables = torch.randperm(blocks, generator=gen)[: 32 * per_seq].view(32, per_seq).to(torch.int32)
-    query = torch.randn(32, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    query = torch.randn(32, HEADS, HEAD_DIM, generator=gen).to(dtype)
     out = torch.empty_like(query)
     host_lens = lens.tolist()
-    kernels = {"now": cpu._function(torch.bfloat16)}
+    kernels = {"now": cpu._function(dtype)}
     if kernels["now"] is None or not cpu._supported(query, *caches[0]):
-        raise SystemExit("the C decode kernel is not available for bf16 on this machine")
+        raise SystemExit(f"the C decode kernel is not available for {dtype} on this machine")
     if against:
         kernels[against] = _old_kernel(against, kernels["now"])
     real = cpu._function
@@ -160,8 +170,9 @@ def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 436
 
     def c_read() -> None:
         for k, v in caches:
-            read_rows(k.data_ptr(), v.data_ptr(), k.stride(0) * 2, k.stride(1) * 2, k.stride(2) * 2, tables.data_ptr(),
-                      tables.stride(0), lengths.data_ptr(), 32, KV_HEADS, HEAD_DIM * 2, BLOCK, torch.get_num_threads())
+            read_rows(k.data_ptr(), v.data_ptr(), k.stride(0) * esize, k.stride(1) * esize, k.stride(2) * esize,
+                      tables.data_ptr(), tables.stride(0), lengths.data_ptr(), 32, KV_HEADS, HEAD_DIM * esize, BLOCK,
+                      torch.get_num_threads())
 
     times: dict[str, list[float]] = {name: [] for name in [*kernels, "C read", "plain read"]}
     for r in range(rounds):
@@ -170,9 +181,10 @@ def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 436
             times[name].append(_timed(lambda fn=fn: step(fn), 5) / layers)
         times["C read"].append(_timed(c_read, 5) / layers)
         times["plain read"].append(_timed(read, 3) / layers)
-    cached = sum(host_lens) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V bytes attention reads per layer
-    read_bytes = ids.numel() * BLOCK * KV_HEADS * HEAD_DIM * 2 * 2
-    print(f"decode attention, 32 sequences of {min(host_lens)}-{max(host_lens)} tokens, {layers} layers, "
+    cached = sum(host_lens) * KV_HEADS * HEAD_DIM * esize * 2  # K and V bytes attention reads per layer
+    read_bytes = ids.numel() * BLOCK * KV_HEADS * HEAD_DIM * esize * 2
+    print(f"decode attention ({str(dtype).removeprefix('torch.')}), 32 sequences of {min(host_lens)}-{max(host_lens)} "
+          f"tokens, {layers} layers, "
           f"{torch.get_num_threads()} threads, medians of {rounds} rounds:")
     for name, values in times.items():
         moved = read_bytes if name == "plain read" else cached

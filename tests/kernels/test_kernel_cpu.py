@@ -12,6 +12,10 @@ from kernels.reference import ref_paged_attention, ref_reshape_and_cache
 pytestmark = pytest.mark.kernel
 
 needs_native = pytest.mark.skipif(not cpu.available(), reason="no C compiler on this machine")
+# Prefill chunks take the C kernel only with its AVX-512 loop (elsewhere SDPA: see
+# test_prefill_chunks_take_the_kernel_only_with_its_avx512_loop, which runs everywhere)
+needs_prefill_kernel = pytest.mark.skipif(not (cpu.available() and cpu._vectorized(64)),
+                                          reason="this CPU's build has no AVX-512 loop: prefill chunks go to SDPA")
 
 MIXED = dict(q_lens=[1, 7, 1, 20, 1], seq_lens=[150, 7, 37, 90, 1])
 DECODE = dict(q_lens=[1] * 6, seq_lens=[150, 37, 1, 64, 16, 17])
@@ -83,7 +87,8 @@ def test_cpu_attention_reads_strided_query_and_writes_into_out(paged_batch):
 
 
 @needs_native
-@pytest.mark.parametrize("torch_path, shape", [("_decode", DECODE), ("_prefill", MIXED)],
+@pytest.mark.parametrize("torch_path, shape", [("_decode", DECODE),
+                                               pytest.param("_prefill", MIXED, marks=needs_prefill_kernel)],
                          ids=["decode-rows", "prefill-chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_attention_uses_the_kernel(paged_batch, monkeypatch, bf16_cpu, torch_path, shape, dtype):
@@ -98,7 +103,7 @@ def test_cpu_attention_uses_the_kernel(paged_batch, monkeypatch, bf16_cpu, torch
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
 
 
-@needs_native
+@needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_row_prefilled_equals_the_row_decoded(paged_batch, bf16_cpu, dtype):
     """A resume recomputes delivered tokens in a prefill chunk: each row's attention comes out bit
@@ -229,14 +234,11 @@ def test_every_compiled_decode_loop_matches_the_reference(paged_batch, bf16_cpu,
 
 
 @needs_native
-@pytest.mark.parametrize("extra, prefill_in_c", [((), True), (("-mno-avx512f",), False)],
-                         ids=["this-build", "plain-c-build"])
-def test_prefill_chunks_take_the_kernel_only_with_its_avx512_loop(paged_batch, monkeypatch, tmp_path, extra,
-                                                                   prefill_in_c):
+@pytest.mark.parametrize("extra", [(), ("-mno-avx512f",)], ids=["this-build", "plain-c-build"])
+def test_prefill_chunks_take_the_kernel_only_with_its_avx512_loop(paged_batch, monkeypatch, tmp_path, extra):
     """Row by row, a prefill chunk beats SDPA only in the AVX-512 loop; a build without it (as on a
     CPU without AVX-512) leaves prefill to SDPA and keeps the C kernel for decode rows."""
-    if "__AVX512F__" not in _native_flags():
-        pytest.skip("this machine's build has no AVX-512 loop")
+    prefill_in_c = not extra and "__AVX512F__" in _native_flags()
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + extra)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))

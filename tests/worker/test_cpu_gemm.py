@@ -13,7 +13,7 @@ from worker_service.models import cpu_gemm
 from worker_service.models.cpu_gemm import PackedLinear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.supported(torch.bfloat16, torch.device("cpu")),
-                                reason="this torch build has no oneDNN bf16 linear ops")
+                                reason="oneDNN's packed bf16 GEMM does not run here (this torch build or this CPU)")
 
 
 @pytest.fixture(scope="module", params=["llama-tied", "qwen2-untied"])

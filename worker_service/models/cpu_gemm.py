@@ -18,6 +18,7 @@ result differs.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -50,9 +51,22 @@ class PackedLinear(nn.Module):
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether this torch build can pack weights of ``dtype`` on ``device``."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and all(hasattr(torch.ops.mkldnn, op) for op in _OPS))
+    """Whether weights of ``dtype`` on ``device`` can be packed here: this torch build has the ops
+    and this CPU runs them (oneDNN's bf16 path wants AVX-512 or AVX-NE-CONVERT: an AVX2-only CPU
+    has the ops but no kernel)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _runs_here()
+
+
+@functools.cache
+def _runs_here() -> bool:
+    if not (torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in _OPS)):
+        return False
+    probe = nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    try:
+        return _agrees(probe, PackedLinear.of(probe))
+    except RuntimeError as exc:  # an op without a kernel for this CPU
+        log.info("oneDNN's packed bf16 GEMM does not run on this CPU (%s)", exc)
+        return False
 
 
 def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
