@@ -34,6 +34,8 @@ class ChunkAssembler:
         self._next_index = 0  # every record token below it was seen (repeats after failover are dropped)
         self._num_cached = 0
         self._num_prompt = len(prompt_ids)
+        self._prompt_ids = prompt_ids
+        self._wants_prompt_logprobs = params.prompt_logprobs is not None
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._on_stop_string = on_stop_string
         self.done = False
@@ -49,6 +51,9 @@ class ChunkAssembler:
                 raise error_for_code(record.error_code, f"request {self._request_id}: {record.error_message}",
                                      field=record.error_field)
             self._num_cached = max(self._num_cached, record.num_cached_tokens)
+            if self._wants_prompt_logprobs and record.token_ids and self._next_index == 0 and self._start == 0:
+                chunk.prompt_logprobs = record.prompt_logprobs  # with the first token, once
+                chunk.prompt_token_ids = self._prompt_ids
             # a record that finishes as "stop" ends on its stop token (the scheduler knows no stop strings)
             stop_token = len(record.token_ids) - 1 if record.finish_reason is FinishReason.STOP else -1
             for j, token in enumerate(record.token_ids):

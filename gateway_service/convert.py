@@ -73,6 +73,8 @@ def chunk_to_pb(chunk: GenerateChunk,
         msg.stop_token_id = chunk.stop_token_id
     if chunk.logprobs:
         logprobs_to_pb(chunk.logprobs, msg.logprobs)
+    if chunk.prompt_logprobs:
+        logprobs_to_pb(chunk.prompt_logprobs, msg.prompt_logprobs)
     if chunk.usage is not None:
         u = chunk.usage
         msg.usage.prompt_tokens = u.prompt_tokens
@@ -131,4 +133,5 @@ def output_record_from_bytes(data: bytes) -> OutputRecord:
         token_ids=list(msg.token_ids), first_index=msg.first_index,
         logprobs=logprobs_from_pb(msg.logprobs) if msg.logprobs else [],
         finish_reason=FINISH_REASON_FROM_PB[msg.finish_reason], num_cached_tokens=msg.num_cached_tokens,
-        error_field=msg.error_field, error_message=msg.error_message, error_code=code)
+        error_field=msg.error_field, error_message=msg.error_message, error_code=code,
+        prompt_logprobs=logprobs_from_pb(msg.prompt_logprobs) if msg.prompt_logprobs else [])

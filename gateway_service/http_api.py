@@ -162,9 +162,11 @@ async def sse_events(item, queue: asyncio.Queue, num_live: int, choices: list[Ch
 def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
     offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
     text, logprobs, _ids = choice.add(chunk)
-    if not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs):
+    with_prompt = bool(chunk.prompt_token_ids)
+    if (not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs)
+            and not with_prompt):
         return None  # token ids that end mid-character: their text comes with the next chunk
-    return responder.delta(choice, text, logprobs, offset)
+    return responder.delta(choice, text, logprobs, offset, with_prompt=with_prompt)
 
 
 class OpenAIHttpApi:

@@ -47,6 +47,11 @@ class GenerateChunk:
     stop_string: str = ""
     stop_token_id: int | None = None  # the stop_token_ids entry that ended the output (its text not in text)
     num_prompt_tokens: int = 0  # on every chunk (the OpenAI API's per-chunk usage reads it)
+    # on the chunk with the first token, when SamplingParams.prompt_logprobs was set: one per prompt
+    # token after the first
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # on the chunk with the first token when prompt_logprobs were asked for (gateway-internal)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +67,4 @@ class OutputRecord:
     error_field: str = ""
     error_message: str = ""
     error_code: str | None = None  # set with error_message: the name of the status the client gets
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token, when asked for

@@ -23,7 +23,7 @@ from typing import Any
 from gateway_service.messages import GenerateInput
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
-from servicekit.contract.sampling_params import SEED_RANGE, SamplingParams
+from servicekit.contract.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
 MAX_N = 16  # choices per request: each is one admitted request
@@ -41,15 +41,14 @@ _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (False,), "response_format": ({"type": "text"},),
     "best_of": (1,), "guided_json": (), "structured_outputs": (),
-    # vLLM's prompt_logprobs: 0 asks for each prompt token's logprob (not computed here), so only null
-    "prompt_logprobs": (), "store": (False,), "service_tier": ("auto", "default"),
+    "store": (False,), "service_tier": ("auto", "default"),
 }
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
 _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", *_INERT, "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
-                "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids",
+                "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids", "prompt_logprobs",
                 *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -81,6 +80,8 @@ class OpenAIRequest:
     continuous_usage: bool = False
     echo: bool = False  # completions: the prompt's text before the completion
     logprobs: bool = False  # report logprobs (their count is in the sampling params)
+    # vLLM's prompt_logprobs: report each prompt token's logprob and this many alternatives
+    prompt_logprobs: int | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (see chat_max_tokens)
     max_tokens_field: str = "max_tokens"  # what the caller called it (chat: max_completion_tokens)
@@ -192,7 +193,8 @@ def _logit_bias(body: dict) -> dict[int, Any]:
     return out
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+              ) -> SamplingParams:
     number = (int, float)
     kwargs = {key: _get(body, key, number) for key in ("temperature", "top_p", "min_p", "repetition_penalty",
                                                         "presence_penalty", "frequency_penalty")}
@@ -205,7 +207,8 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     if body.get("allowed_token_ids") is not None and not allowed:  # vLLM refuses an empty list too
         raise InvalidArgumentError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
     return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
-                          logprobs=logprobs, logit_bias=_logit_bias(body), allowed_token_ids=allowed, **kwargs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(body),
+                          allowed_token_ids=allowed, **kwargs)
 
 
 def _seed(body: dict) -> int | None:
@@ -226,7 +229,8 @@ def _common(body: dict) -> dict[str, Any]:
                 truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int))
 
 
-def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: bool = False) -> OpenAIRequest:
+def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: bool = False,
+             prompt_logprobs: int | None = None) -> OpenAIRequest:
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise InvalidArgumentError("n", f"must be in [1, {MAX_N}], got {n}")
@@ -240,7 +244,7 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
     include_usage, continuous = (_stream_option(options, key) for key in ("include_usage", "continuous_usage_stats"))
     return OpenAIRequest(tuple(inputs), model=_get(body, "model", str, ""), n=n, stream=stream,
                          include_usage=include_usage, continuous_usage=include_usage and continuous,
-                         echo=echo, logprobs=logprobs,
+                         echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                          tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False))
 
 
@@ -272,19 +276,31 @@ def parse_completion(body: Any) -> OpenAIRequest:
                                              "list of lists of token ids (non-empty)")
     logprobs = _get(body, "logprobs", int)
     echo = _get(body, "echo", bool, False)
-    if echo and logprobs is not None:
-        raise InvalidArgumentError("echo", "echo with logprobs (prompt logprobs) is not supported")
     if echo and body.get("truncate_prompt_tokens") is not None:
         raise InvalidArgumentError("truncate_prompt_tokens", "cannot be combined with echo (the echoed prompt "
                                                              "would not be the one generated from)")
-    params = _sampling(body, _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs)
+    prompt_logprobs = _prompt_logprobs(body)
+    # echo with logprobs: the echoed prompt's tokens carry logprobs too (lm-eval's loglikelihood)
+    scored = logprobs if echo and logprobs is not None else None
+    if prompt_logprobs is not None:
+        scored = max(prompt_logprobs, scored or 0)
+    params = _sampling(body, _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs, scored)
     common = _common(body)
     if len(prompts) > 1 and common["request_id"]:
         common["request_id"] = ""  # several prompts: ids are assigned (one id cannot name them all)
     common["add_special_tokens"] = _get(body, "add_special_tokens", bool, True)
     inputs = [GenerateInput(params, prompt=p, **common) if isinstance(p, str)
               else GenerateInput(params, prompt_token_ids=list(p), **common) for p in prompts]
-    return _request(body, inputs, logprobs=logprobs is not None, echo=echo)
+    return _request(body, inputs, logprobs=logprobs is not None, echo=echo, prompt_logprobs=prompt_logprobs)
+
+
+def _prompt_logprobs(body: dict) -> int | None:
+    """vLLM's ``prompt_logprobs``: alternatives per prompt token (0..20; vLLM's -1, the whole
+    vocabulary, is refused with the bound)."""
+    value = _get(body, "prompt_logprobs", int)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidArgumentError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _content(index: int, role: Any, content: Any) -> Any:
@@ -338,14 +354,16 @@ def parse_chat(body: Any) -> OpenAIRequest:
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int)
     placeholder = max(1, _get(body, "min_tokens", int, 0))  # replaced by chat_max_tokens
+    prompt_logprobs = _prompt_logprobs(body)
     try:
         params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
-                           (top or 0) if logprobs else None)
+                           (top or 0) if logprobs else None, prompt_logprobs)
     except InvalidArgumentError as exc:
         raise _renamed(exc, names) from None
     inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body),
                         chat_template_kwargs=_template_kwargs(body))
-    return replace(_request(body, [inp], logprobs=logprobs), fill_max_tokens=max_tokens is None,
+    return replace(_request(body, [inp], logprobs=logprobs, prompt_logprobs=prompt_logprobs),
+                   fill_max_tokens=max_tokens is None,
                    max_tokens_field=names["max_tokens"])
 
 

@@ -109,11 +109,20 @@ class ChoiceState:
     started: bool = False  # a streamed chat choice sends role "assistant" in its first delta
     num_chars: int = 0  # characters of text taken so far (completions' logprobs text_offset)
     num_prompt_tokens: int = 0
+    # arrived with the first token when prompt logprobs were asked for (echo with logprobs, or
+    # vLLM's prompt_logprobs): one per prompt token after the first, and the prompt's ids
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     def add(self, chunk: GenerateChunk) -> tuple[str, list[TokenLogprobs], list[int]]:
         """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
         text = chunk.text
         self.num_prompt_tokens = chunk.num_prompt_tokens or self.num_prompt_tokens
+        if chunk.prompt_token_ids:
+            self.prompt_token_ids = chunk.prompt_token_ids
+            # all of them or none (a worker that computes none, as the simulated one)
+            if len(chunk.prompt_logprobs) == len(chunk.prompt_token_ids) - 1:
+                self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
             self.finish_reason = str(chunk.finish_reason)
             self.usage = chunk.usage
@@ -146,6 +155,33 @@ def completion_logprobs(logprobs: list[TokenLogprobs], token_text: TokenText, of
                              for lp in logprobs], "text_offset": offsets}
 
 
+def echoed_prompt_logprobs(prompt_ids: list[int], entries: list[TokenLogprobs], num_top: int,
+                           token_text: TokenText, token_name: Callable[[int], str] | None = None) -> dict:
+    """The echoed prompt's part of completions' logprobs (as :func:`completion_logprobs`, offsets
+    from 0): its first token has no logprob and no alternatives (``null``: nothing precedes it)."""
+    name = token_name or token_text
+    first = prompt_ids[0]
+    rest = completion_logprobs([TokenLogprobs(lp.token_id, lp.logprob, lp.top[:num_top]) for lp in entries],
+                               token_text, len(token_text(first)), token_name)
+    return {"tokens": [name(first), *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs], num_top: int, token_name: Callable[[int], str]) -> list:
+    """vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then per token a map from
+    token id (a string) to its logprob, rank and text: the prompt's token with its own rank, and the
+    ``num_top`` most likely ones."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_name(token_id)}
+    out: list[dict | None] = [None]
+    for lp in entries:
+        position = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+        for rank, (token_id, logprob) in enumerate(lp.top[:num_top], 1):
+            position.setdefault(str(token_id), entry(token_id, logprob, rank))
+        out.append(position)
+    return out
+
+
 def _with_sampled(top: dict[str, float], token: str, logprob: float) -> dict[str, float]:
     top.setdefault(token, logprob)
     return top
@@ -175,12 +211,27 @@ class Responder:
     def _head(self, obj: str) -> dict:
         return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, choice: ChoiceState, logprobs: list[TokenLogprobs], offset: int) -> dict | None:
+    def _logprobs(self, choice: ChoiceState, logprobs: list[TokenLogprobs], offset: int, *,
+                  with_prompt: bool = False) -> dict | None:
+        """The logprobs of ``logprobs``; ``with_prompt`` (the answer's first part), echo's prompt
+        tokens before them."""
         if not self.req.logprobs:
             return None
         if self.chat:
             return chat_logprobs(logprobs, self._token_name)
-        return completion_logprobs(logprobs, self._token_text, offset, self._token_name)
+        out = completion_logprobs(logprobs, self._token_text, offset, self._token_name)
+        if with_prompt and self.req.echo and choice.prompt_logprobs is not None:
+            num_top = self.req.inputs[0].sampling_params.logprobs or 0
+            prompt = echoed_prompt_logprobs(choice.prompt_token_ids, choice.prompt_logprobs, num_top,
+                                            self._token_text, self._token_name)
+            out = {key: prompt[key] + out[key] for key in out}
+        return out
+
+    def _prompt_logprobs(self, choice: ChoiceState) -> list | None:
+        """vLLM's ``prompt_logprobs`` of ``choice`` (None when not asked for)."""
+        if self.req.prompt_logprobs is None or choice.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(choice.prompt_logprobs, self.req.prompt_logprobs, self._token_name)
 
     def whole(self, choices: list[ChoiceState]) -> dict:
         """The non-streamed answer."""
@@ -188,19 +239,27 @@ class Responder:
         for c in choices:
             text = "".join(c.text)
             body: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                                    "logprobs": self._logprobs(c, c.logprobs, len(c.prefix))}
+                                    "logprobs": self._logprobs(c, c.logprobs, len(c.prefix), with_prompt=True)}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
+                if self.req.prompt_logprobs is not None:
+                    body["prompt_logprobs"] = self._prompt_logprobs(c)
             out.append(body)
         usage = total_usage([c.usage for c in choices], self.req.n)
-        return dict(self._head("chat.completion" if self.chat else "text_completion"), choices=out,
-                    usage=usage_json(usage))
+        answer = dict(self._head("chat.completion" if self.chat else "text_completion"), choices=out,
+                      usage=usage_json(usage))
+        if self.chat and self.req.prompt_logprobs is not None:  # vLLM: one list for the call's prompt
+            answer["prompt_logprobs"] = self._prompt_logprobs(choices[0])
+        return answer
 
-    def delta(self, choice: ChoiceState, text: str, logprobs: list[TokenLogprobs], offset: int) -> dict:
-        """One streamed chunk of ``choice``: new text (+ logprobs), and its finish reason on the last."""
-        body: dict[str, Any] = {"index": choice.index, "logprobs": self._logprobs(choice, logprobs, offset),
+    def delta(self, choice: ChoiceState, text: str, logprobs: list[TokenLogprobs], offset: int, *,
+              with_prompt: bool = False) -> dict:
+        """One streamed chunk of ``choice``: new text (+ logprobs), and its finish reason on the last;
+        ``with_prompt``: the chunk that brought the prompt logprobs (they go out in it)."""
+        body: dict[str, Any] = {"index": choice.index,
+                                "logprobs": self._logprobs(choice, logprobs, offset, with_prompt=with_prompt),
                                 "finish_reason": choice.finish_reason}
         if choice.finish_reason is not None:
             body["stop_reason"] = choice.stop_reason
@@ -213,6 +272,8 @@ class Responder:
             body["text"] = text
         choice.started = True
         chunk = dict(self._head("chat.completion.chunk" if self.chat else "text_completion"), choices=[body])
+        if with_prompt and self.req.prompt_logprobs is not None:
+            (chunk if self.chat else body)["prompt_logprobs"] = self._prompt_logprobs(choice)
         if self.req.continuous_usage:  # this choice's usage so far, as vLLM reports it
             prompt, completion = choice.num_prompt_tokens, len(choice.token_ids)
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,

@@ -8,7 +8,7 @@
 
 Sampling arguments are SamplingParams' field names (``max_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
-``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logprobs``, ``prompt_logprobs``,
 ``logit_bias={token_id: bias}``) or a whole ``sampling_params=SamplingParams(...)``. Failures raise :mod:`pagedserve.errors` types.
 A chat may continue a prefilled assistant turn as written: ``client.chat(messages,
 add_generation_prompt=False, continue_final_message=True)`` (vLLM's switches).

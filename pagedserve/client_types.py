@@ -24,6 +24,9 @@ class Chunk:
     usage: Usage | None = None  # on the last chunk
     stop_string: str = ""  # the stop string that ended the request, if one did
     stop_token_id: int | None = None  # the stop_token_ids entry that ended it, if one did (its text not in text)
+    # on the chunk with the first token, when prompt_logprobs was asked for: one per prompt token
+    # after the first
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class Completion:
     logprobs: tuple[TokenLogprobs, ...] = ()
     stop_string: str = ""
     stop_token_id: int | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # when asked for: one per prompt token after the first
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> Completion:
@@ -46,5 +50,6 @@ class Completion:
             request_id=last.request_id, text="".join(c.text for c in chunks),
             token_ids=tuple(t for c in chunks for t in c.token_ids), finish_reason=last.finish_reason,
             usage=last.usage, logprobs=tuple(lp for c in chunks for lp in c.logprobs), stop_string=last.stop_string,
-            stop_token_id=last.stop_token_id)
+            stop_token_id=last.stop_token_id,
+            prompt_logprobs=next((c.prompt_logprobs for c in chunks if c.prompt_logprobs), ()))
 

@@ -61,6 +61,9 @@ class RequestOutput:
     # that ends an output as a stop token (this or EOS) is the last of token_ids, its text not in ``text``
     stop_token_id: int | None = None
     metrics: RequestMetrics | None = None  # timings (None only for outputs built elsewhere)
+    # SamplingParams.prompt_logprobs: one per prompt token after the first (vLLM's prompt_logprobs
+    # also holds None for the first token)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -76,6 +79,7 @@ class _Pending:
     stop_string: str = ""
     stop_token_id: int | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    prompt_logprobs: list[TokenLogprobs] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def add(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, *, stopped: bool = False) -> bool:
@@ -293,6 +297,8 @@ class LLM:
                     if state is None or state.finish_reason is not None:
                         continue
                     state.num_cached_tokens = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:
+                        state.prompt_logprobs = out.prompt_logprobs
                     if out.new_token_ids:
                         if state.metrics.first_token_time is None:
                             state.metrics.first_token_time = now
@@ -330,4 +336,5 @@ class LLM:
             stop_string=state.stop_string,
             stop_token_id=state.stop_token_id,
             metrics=state.metrics,
+            prompt_logprobs=state.prompt_logprobs,
         )

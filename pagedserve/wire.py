@@ -90,7 +90,8 @@ def chunk_from_pb(msg):
         else str(FINISH_REASON_FROM_PB[msg.finish_reason]),
         usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
         if msg.HasField("usage") else None,
-        stop_string=msg.stop_string, stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None)
+        stop_string=msg.stop_string, stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
+        prompt_logprobs=tuple(logprobs_from_pb(msg.prompt_logprobs)) if msg.prompt_logprobs else ())
 
 
 def build_tokenize_request(text=None, *, messages=None, model: str = ""):

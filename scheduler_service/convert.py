@@ -59,7 +59,8 @@ def runner_output_from_pb(msg: worker_pb2.StepResponse) -> ModelRunnerOutput:
         sampled[out.request_id] = list(out.token_ids)
         if out.logprobs:
             logprobs[out.request_id] = logprobs_from_pb(out.logprobs)
-    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+    prompt = {p.request_id: (p.first_index, logprobs_from_pb(p.logprobs)) for p in msg.prompt_logprobs}
+    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt)
 
 
 # -- Redis records ------------------------------------------------------------------------------------
@@ -107,6 +108,8 @@ def engine_output_to_record(out: EngineCoreOutput) -> bytes:
         finish_reason=FINISH_REASON_TO_PB[out.finish_reason], num_cached_tokens=out.num_cached_tokens)
     if out.new_logprobs:
         logprobs_to_pb(out.new_logprobs, msg.logprobs)
+    if out.prompt_logprobs:
+        logprobs_to_pb(out.prompt_logprobs, msg.prompt_logprobs)
     return msg.SerializeToString()
 
 

@@ -26,7 +26,8 @@ def _merge(first: EngineCoreOutput, then: EngineCoreOutput) -> EngineCoreOutput:
         logprobs = list(first.new_logprobs or ()) + list(then.new_logprobs or ())
     return EngineCoreOutput(first.request_id, first.new_token_ids + then.new_token_ids, first.first_index,
                             finish_reason=then.finish_reason, new_logprobs=logprobs,
-                            num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens))
+                            num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens),
+                            prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs)
 
 
 class StreamBatcher:

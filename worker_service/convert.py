@@ -54,4 +54,6 @@ def runner_output_to_pb(step_id: int, output: ModelRunnerOutput, execute_seconds
         sampled = msg.outputs.add(request_id=rid, token_ids=token_ids)
         if logprobs and rid in logprobs:
             logprobs_to_pb(logprobs[rid], sampled.logprobs)
+    for rid, (first_index, items) in output.prompt_logprobs.items():
+        logprobs_to_pb(items, msg.prompt_logprobs.add(request_id=rid, first_index=first_index).logprobs)
     return msg

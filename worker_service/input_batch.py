@@ -61,6 +61,8 @@ class InputBatch:
         self.seed = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1 = none
+        # top-n of the prompt logprobs still to compute (a request without outputs yet); -1 = none
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.rows: dict[str, int] = {}  # request id -> row
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs  # by row
         # by row: ids banned while outputs < min_tokens (empty when min_tokens is 0), built in add()
@@ -114,6 +116,9 @@ class InputBatch:
         self.seed[row] = p.seed
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        # A request resumed with outputs published them with its prompt logprobs: none to compute.
+        self.num_prompt_logprobs[row] = (-1 if p.prompt_logprobs is None or new.output_token_ids
+                                         else p.prompt_logprobs)
         self.min_tokens_banned[row] = (min_tokens_banned_ids(p, self.eos_token_ids, self.vocab_size)
                                        if p.min_tokens else _NO_IDS)
         pairs = [(t, bias) for t, bias in p.logit_bias if t < self.vocab_size]

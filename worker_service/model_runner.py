@@ -13,7 +13,7 @@ once. Logits are computed only for the rows that sample.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,21 @@ class StepInputs:
     logits_indices: torch.Tensor  # [N] int64: last token of each sequence that samples
     sample_req_ids: list[str]  # request id of each sampling row
     sample_rows: np.ndarray  # [N] persistent-batch rows of the sampling requests
+    prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)  # requests that asked for them
+
+
+@dataclass(slots=True)
+class PromptLogprobsRows:
+    """The rows of a step's hidden states whose logits score a request's prompt tokens."""
+
+    request_id: str
+    first_index: int  # prompt index of the token the first row scores (its position + 1)
+    token_indices: np.ndarray  # [K] rows of the step's tokens
+    target_ids: np.ndarray  # [K] the prompt token each row scores
+    num_top: int  # alternatives per entry
+
+
+PROMPT_LOGPROBS_ROWS = 256  # logits rows at a time: [256, V] fp32 (50 MB at a 49k vocabulary)
 
 
 def default_device() -> torch.device:
@@ -133,11 +148,34 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         ctx = ForwardContext(inputs.metadata, self.kv_caches, self.reshape_and_cache, self.paged_attention)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, D]
-        if not inputs.sample_req_ids:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
-        sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
-        return self._collect(inputs, sampled)
+        out = ModelRunnerOutput()
+        if inputs.sample_req_ids:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+            sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+            out = self._collect(inputs, sampled)
+        for rows in inputs.prompt_logprobs:
+            out.prompt_logprobs[rows.request_id] = (rows.first_index, self._prompt_logprobs(hidden, rows))
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobsRows) -> list[TokenLogprobs]:
+        """Each row's prompt token scored by the model's distribution at the row (a log-softmax of
+        the logits, as sampled tokens' logprobs are), its rank and the top alternatives; a few
+        hundred rows at a time so a long prompt never holds a [T, V] logits tensor."""
+        out: list[TokenLogprobs] = []
+        index = _to(rows.token_indices, self.device)
+        targets = _to(rows.target_ids, self.device)
+        for start in range(0, len(index), PROMPT_LOGPROBS_ROWS):
+            part, target = index[start:start + PROMPT_LOGPROBS_ROWS], targets[start:start + PROMPT_LOGPROBS_ROWS]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[part]).float(), dim=-1)  # [k, V]
+            chosen = logprobs.gather(1, target[:, None])  # [k, 1]
+            ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+            top_lps, top_ids = logprobs.topk(rows.num_top, dim=-1) if rows.num_top else (None, None)
+            top_lps = top_lps.tolist() if top_lps is not None else None
+            top_ids = top_ids.tolist() if top_ids is not None else None
+            for i, (token_id, logprob) in enumerate(zip(target.tolist(), chosen[:, 0].tolist())):
+                top = list(zip(top_ids[i], top_lps[i])) if top_ids is not None else []
+                out.append(TokenLogprobs(token_id, logprob, top, ranks[i]))
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
@@ -173,6 +211,15 @@ class ModelRunner:
         block_tables = batch.block_table[rows, :max_blocks]  # [S, max_blocks] int32
         samples = seq_lens == batch.num_tokens[rows]  # [S] reaches the end of its known tokens
         logits_indices = query_start_loc[1:][samples] - 1
+        prompt_logprobs = []
+        for i in np.nonzero(batch.num_prompt_logprobs[rows] >= 0)[0].tolist():
+            # position p's logits score prompt token p + 1: positions up to the prompt's second-to-last
+            first, end = int(computed[i]), min(int(seq_lens[i]), int(batch.num_prompt_tokens[rows[i]]) - 1)
+            if first < end:
+                prompt_logprobs.append(PromptLogprobsRows(
+                    req_ids[i], first + 1, np.arange(end - first) + query_start_loc[i],
+                    batch.token_ids[rows[i], first + 1:end + 1].astype(np.int64),
+                    int(batch.num_prompt_logprobs[rows[i]])))
 
         dev = self.device
         metadata = AttentionMetadata(
@@ -190,6 +237,7 @@ class ModelRunner:
             logits_indices=_to(logits_indices, dev),
             sample_req_ids=[rid for rid, s in zip(req_ids, samples) if s],
             sample_rows=rows[samples],
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:

@@ -86,10 +86,11 @@ class KVCacheManager:
         """The longest cached prefix of ``request`` as (blocks, num tokens). Changes nothing.
 
         The hit never covers the request's last token (at most ``num_tokens - 1`` tokens): that token
-        must be computed to produce the logits of the next one.
+        must be computed to produce the logits of the next one. A request still owed its prompt
+        logprobs gets no hit.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.prompt_logprobs is not None:
+            return [], 0  # a request scoring its prompt computes every position of it
         hashes = request.block_hashes
         max_blocks = min((request.num_tokens - 1) // self.block_size, len(hashes))
         cached = self.block_pool.cached_blocks

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from scheduler_service.core.kv_cache_utils import ROOT_BLOCK_HASH, BlockHash, cache_salt_extra_keys, hash_block_tokens
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.contract.step import FinishReason
+from servicekit.contract.step import FinishReason, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,7 +58,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
         "status", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "block_hashes", "max_tokens", "stop_token_set", "all_token_ids", "output_token_ids",
-        "_block_size", "_first_extra_keys",
+        "_block_size", "_first_extra_keys", "prompt_logprobs",
     )
 
     def __init__(
@@ -91,6 +91,12 @@ class Request:
         # Plain attributes (hot path); only ``append_output_token(s)`` may change them.
         self.output_token_ids = list(output_token_ids)  # delivered outputs first, then generated ones
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids  # prompt + outputs
+        # SamplingParams.prompt_logprobs: by prompt index, filled as steps compute them (index 0 has
+        # none) and handed out with the first output token; None when not asked for or handed out.
+        # While set the request takes no prefix-cache hit (every prompt position is computed).
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and not self.output_token_ids
+            else None)
         self._block_size = 0  # 0: block hashing off
         self._first_extra_keys = cache_salt_extra_keys(cache_salt)  # only the first block's hash
         if block_size is not None:

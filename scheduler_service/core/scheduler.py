@@ -7,6 +7,7 @@ randomness except from the ``seed_rng`` it was handed (DESIGN.md decision 1).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Iterable
@@ -24,8 +25,11 @@ from servicekit.contract.step import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from servicekit.contract.worker import WorkerDescription
+
+log = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -280,6 +284,7 @@ class Scheduler:
         """
         sampled = model_runner_output.sampled_token_ids
         logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
         requests = self.requests
         outputs: list[EngineCoreOutput] = []
         any_finished = False
@@ -297,6 +302,10 @@ class Scheduler:
             else:
                 tokens = None  # a partial prefill chunk samples nothing
             request.num_computed_tokens = computed  # full blocks were cached at allocation
+            if prompt_logprobs and rid in prompt_logprobs and request.prompt_logprobs is not None:
+                first, items = prompt_logprobs[rid]
+                if 1 <= first and first + len(items) <= len(request.prompt_logprobs):
+                    request.prompt_logprobs[first:first + len(items)] = items
             if not tokens:
                 continue
 
@@ -312,17 +321,28 @@ class Scheduler:
             new_logprobs = logprobs.get(rid) if logprobs else None
             if new_logprobs is not None:
                 new_logprobs = new_logprobs[:len(new_tokens)]
-            if status is None:
-                outputs.append(EngineCoreOutput(rid, new_tokens, first_index, None, new_logprobs,
-                                                request.num_cached_tokens))
-            else:
-                outputs.append(EngineCoreOutput(rid, new_tokens, first_index, status.finish_reason(),
-                                                new_logprobs, request.num_cached_tokens))
+            output = EngineCoreOutput(rid, new_tokens, first_index, None if status is None else status.finish_reason(),
+                                      new_logprobs, request.num_cached_tokens)
+            if request.prompt_logprobs is not None and first_index == 0:
+                output.prompt_logprobs = self._take_prompt_logprobs(request)
+            outputs.append(output)
+            if status is not None:
                 self._finish(request, status)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs] | None:
+        """The prompt logprobs the steps computed, handed out with the first output token (None,
+        with a warning, when the worker returned some of them only: a runner that computes none)."""
+        entries, request.prompt_logprobs = request.prompt_logprobs[1:], None
+        if any(entry is None for entry in entries):
+            log.warning("request %s: the worker returned %d of %d prompt logprobs; none are sent",
+                        request.request_id, sum(entry is not None for entry in entries), len(entries))
+            return None
+        return entries
 
     def _chunk_threshold(self) -> int:
         """The most tokens one request computes this step (0 = no cap): the hard cap, tightened to

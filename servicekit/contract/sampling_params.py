@@ -45,6 +45,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]; over output tokens (OpenAI semantics)
     frequency_penalty: float = 0.0  # in [-2, 2]; over output tokens
     logprobs: int | None = None  # top-n logprobs per sampled token (0..MAX_LOGPROBS), None = off
+    # logprob of each prompt token after the first, plus top-n alternatives (vLLM's prompt_logprobs;
+    # 0..MAX_LOGPROBS), None = off. Such a request computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs added to the logits before sampling, ascending by id (a dict is taken too)
     logit_bias: tuple[tuple[int, float], ...] = ()
     # sample only these ids (vLLM's allowed_token_ids), ascending and unique; () = every id
@@ -84,10 +87,12 @@ class SamplingParams:
         _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise InvalidArgumentError("logprobs", f"at most {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise InvalidArgumentError(name, f"at most {MAX_LOGPROBS}, got {value}")
 
     @property
     def greedy(self) -> bool:

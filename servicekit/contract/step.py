@@ -82,6 +82,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first, n = SamplingParams.logprobs
+    rank: int = 0  # the token's rank in the distribution (1 = most likely); 0 = not computed
 
 
 @dataclass(slots=True)
@@ -90,6 +91,10 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> new tokens
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # only where asked for
+    # request id -> (prompt index of the first entry, logprobs of the prompt tokens from there) for
+    # requests with SamplingParams.prompt_logprobs whose prompt this step computed (no output yet):
+    # the logits at position p give the entry of prompt token p + 1; a partial chunk has some too.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -102,6 +107,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first scheduling
+    # with the first output token (first_index 0) of a request with SamplingParams.prompt_logprobs:
+    # one entry per prompt token after the first (the first has no context)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ from servicekit.proto.pb import sampling_pb2
 
 _SCALAR_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
-    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
 )
 
 FINISH_REASON_TO_PB = {
@@ -51,10 +51,10 @@ def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingPara
 def logprobs_to_pb(items: list[TokenLogprobs], out) -> None:
     """Append ``items`` to the repeated TokenLogprobs field ``out``."""
     for item in items:
-        msg = out.add(token_id=item.token_id, logprob=item.logprob)
+        msg = out.add(token_id=item.token_id, logprob=item.logprob, rank=item.rank)
         for token_id, logprob in item.top:
             msg.top.add(token_id=token_id, logprob=logprob)
 
 
 def logprobs_from_pb(items) -> list[TokenLogprobs]:
-    return [TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in items]
+    return [TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.rank) for m in items]

@@ -606,3 +606,61 @@ async def test_logit_bias_bans_and_forces_tokens(stack, llm):
     assert banned.choices[0].text == reference[0].text != expected.text
     assert not set(reference[0].token_ids) & set(expected.token_ids)
     assert reference[1].token_ids == [42] * 6 and forced.choices[0].text == reference[1].text
+
+
+async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(stack, llm):
+    """lm-eval's loglikelihood: ``echo`` + ``logprobs`` + ``max_tokens: 1`` over token ids; the prompt's
+    tokens come first (the first with ``null``), each scored as the in-process engine scores it; the
+    same over the SDK (``prompt_logprobs``) and as vLLM's ``prompt_logprobs`` field, whole and streamed."""
+    prompt = llm.tokenizer.encode("The capital of France is Paris and the capital of Spain is")
+    local = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    expected = [lp.logprob for lp in local.prompt_logprobs]
+    assert len(expected) == len(prompt) - 1
+    async with async_client(stack) as client:
+        got = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=1, logprobs=1,
+                                              echo=True, temperature=0)
+        lp = got.choices[0].logprobs
+        lengths = {len(lp.tokens), len(lp.token_logprobs), len(lp.top_logprobs), len(lp.text_offset)}
+        assert lengths == {len(prompt) + 1}
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        assert lp.token_logprobs[1:-1] == pytest.approx(expected, abs=1e-4)
+        for token, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert 1 <= len(top) <= 2 and token <= max(top.values()) + 1e-6  # the token itself and the best one
+        assert got.choices[0].text.startswith("The capital of France")
+        assert lp.text_offset == sorted(lp.text_offset)
+
+        vllm = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=2, temperature=0,
+                                               extra_body={"prompt_logprobs": 2})
+        entries = vllm.choices[0].model_extra["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(prompt)
+        for token_id, position, logprob in zip(prompt[1:], entries[1:], expected):
+            mine = position[str(token_id)]
+            assert mine["logprob"] == pytest.approx(logprob, abs=1e-4) and mine["rank"] >= 1
+            assert 2 <= len(position) <= 3 and {e["rank"] for e in position.values()} >= {1, 2}
+
+        stream = await client.completions.create(model=stack.model, prompt=prompt, max_tokens=3, logprobs=0,
+                                                 echo=True, stream=True, temperature=0)
+        streamed = [chunk.choices[0] async for chunk in stream if chunk.choices]
+        assert streamed[0].logprobs.token_logprobs[0] is None
+        assert streamed[0].logprobs.token_logprobs[1:len(prompt)] == pytest.approx(expected, abs=1e-4)
+        assert sum(len(c.logprobs.tokens) for c in streamed) == len(prompt) + 3
+
+        chat = await client.chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+            extra_body={"prompt_logprobs": 0})
+        chat_entries = chat.model_extra["prompt_logprobs"]
+        assert chat_entries[0] is None and chat.usage.prompt_tokens == len(chat_entries)
+        assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in chat_entries[1:])
+
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        over_grpc = await sdk.generate(prompt, max_tokens=1, temperature=0, prompt_logprobs=1)
+    assert [lp.logprob for lp in over_grpc.prompt_logprobs] == pytest.approx(expected, abs=1e-4)
+    assert [lp.token_id for lp in over_grpc.prompt_logprobs] == prompt[1:]
+
+
+async def test_prompt_logprobs_bounds(stack):
+    async with async_client(stack) as client:
+        for value in (-1, 21, "2"):
+            with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+                await client.completions.create(model=stack.model, prompt="Hi", max_tokens=1,
+                                                extra_body={"prompt_logprobs": value})

@@ -58,8 +58,9 @@ def test_n_samples_get_successive_seeds_and_ids_and_prompts_fan_out():
     ({"prompt": "a", "priority": 2**31}, "priority"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": [[1], "a", 3]}, "prompt"),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
-    ({"prompt": "a", "prompt_logprobs": 0}, "prompt_logprobs"),  # vLLM: 0 asks for prompt logprobs
+    ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "a", "prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's "the whole vocabulary"
+    ({"prompt": "a", "prompt_logprobs": True}, "prompt_logprobs"),
     ({"prompt": "a", "store": True}, "store"),
     ({"prompt": "a", "seed": -2**63 - 1}, "seed"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -73,6 +74,16 @@ def test_bad_completion_bodies_name_their_field(body, field):
     with pytest.raises(InvalidArgumentError) as caught:
         parse_completion(body)
     assert caught.value.field == field
+
+
+def test_prompt_logprobs_are_asked_by_echo_with_logprobs_or_by_vllms_field():
+    def scored(body: dict) -> int | None:
+        return parse_completion({"prompt": "a", **body}).inputs[0].sampling_params.prompt_logprobs
+    assert scored({"echo": True, "logprobs": 2}) == 2  # lm-eval's loglikelihood
+    assert scored({"logprobs": 2}) is None and scored({"echo": True}) is None
+    assert scored({"prompt_logprobs": 0}) == 0 and scored({"echo": True, "logprobs": 1, "prompt_logprobs": 3}) == 3
+    req = parse_chat({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 4})
+    assert req.prompt_logprobs == 4 and req.inputs[0].sampling_params.prompt_logprobs == 4
 
 
 def test_token_ids_out_of_range_are_named_as_such():
