@@ -24,6 +24,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 from importlib.metadata import version
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -54,6 +55,7 @@ from servicekit.contract.errors import (
     PagedServeError,
     UnavailableError,
 )
+from servicekit.contract.step import FinishReason
 from servicekit.serving import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,15 @@ async def sse_events(item, queue: asyncio.Queue, num_live: int, choices: list[Ch
         yield _sse("[DONE]")
     finally:
         await cancel_and_wait(tasks)
+
+
+def _prompt_only(chunk: GenerateChunk) -> GenerateChunk:
+    """``chunk`` without what was generated (echo with max_tokens 0: the one token the engine ran
+    is left out; the choice ends as "length" with no completion tokens)."""
+    usage = chunk.usage
+    return replace(chunk, text="", token_ids=[], logprobs=[], stop_string="", stop_token_id=None,
+                   finish_reason=FinishReason.LENGTH if chunk.finish_reason is not None else None,
+                   usage=replace(usage, completion_tokens=0) if usage is not None else None)
 
 
 def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
@@ -274,7 +285,7 @@ class OpenAIHttpApi:
         try:
             async with aclosing(self._service.generate(inp, owner=owner)) as chunks:
                 async for chunk in chunks:
-                    queue.put_nowait((index, chunk))
+                    queue.put_nowait((index, _prompt_only(chunk) if req.echo_only else chunk))
         except PagedServeError as exc:
             queue.put_nowait((index, req.as_sent(exc)))
             return

@@ -82,6 +82,9 @@ class OpenAIRequest:
     logprobs: bool = False  # report logprobs (their count is in the sampling params)
     # vLLM's prompt_logprobs: report each prompt token's logprob and this many alternatives
     prompt_logprobs: int | None = None
+    # completions' echo with max_tokens 0: the prompt alone (with its logprobs when asked), nothing
+    # generated; the engine runs one token (max_tokens >= 1 there) that the answer leaves out
+    echo_only: bool = False
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (see chat_max_tokens)
     max_tokens_field: str = "max_tokens"  # what the caller called it (chat: max_completion_tokens)
@@ -284,14 +287,21 @@ def parse_completion(body: Any) -> OpenAIRequest:
     scored = logprobs if echo and logprobs is not None else None
     if prompt_logprobs is not None:
         scored = max(prompt_logprobs, scored or 0)
-    params = _sampling(body, _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs, scored)
+    max_tokens = _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
+    echo_only = echo and max_tokens == 0  # the prompt scored, nothing generated (OpenAI's legacy use)
+    if max_tokens == 0 and not echo:
+        raise InvalidArgumentError("max_tokens", "must be >= 1, got 0 (0 only with echo: the prompt alone)")
+    if echo_only and body.get("min_tokens"):
+        raise InvalidArgumentError("min_tokens", "must be 0 with max_tokens 0")
+    params = _sampling(body, 1 if echo_only else max_tokens, logprobs, scored)
     common = _common(body)
     if len(prompts) > 1 and common["request_id"]:
         common["request_id"] = ""  # several prompts: ids are assigned (one id cannot name them all)
     common["add_special_tokens"] = _get(body, "add_special_tokens", bool, True)
     inputs = [GenerateInput(params, prompt=p, **common) if isinstance(p, str)
               else GenerateInput(params, prompt_token_ids=list(p), **common) for p in prompts]
-    return _request(body, inputs, logprobs=logprobs is not None, echo=echo, prompt_logprobs=prompt_logprobs)
+    return replace(_request(body, inputs, logprobs=logprobs is not None, echo=echo, prompt_logprobs=prompt_logprobs),
+                   echo_only=echo_only)
 
 
 def _prompt_logprobs(body: dict) -> int | None:

@@ -658,6 +658,31 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(stack, l
     assert [lp.token_id for lp in over_grpc.prompt_logprobs] == prompt[1:]
 
 
+async def test_echo_with_max_tokens_0_gives_the_prompt_alone_scored(stack, llm):
+    """OpenAI's legacy scoring call (lm-eval's older API models): echo, logprobs, max_tokens 0."""
+    prompt = "Paris is the capital of"
+    ids = llm.tokenizer.encode(prompt)
+    local = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    async with async_client(stack) as client:
+        for stream in (False, True):
+            kwargs = dict(model=stack.model, prompt=prompt, max_tokens=0, echo=True, logprobs=0, stream=stream)
+            if stream:
+                chunks = [c.choices[0] async for c in await client.completions.create(**kwargs) if c.choices]
+                text = "".join(c.text for c in chunks)
+                token_logprobs = [p for c in chunks if c.logprobs for p in c.logprobs.token_logprobs]
+                finish = chunks[-1].finish_reason
+            else:
+                got = await client.completions.create(**kwargs)
+                text, token_logprobs = got.choices[0].text, got.choices[0].logprobs.token_logprobs
+                finish = got.choices[0].finish_reason
+                assert got.usage.completion_tokens == 0 and got.usage.prompt_tokens == len(ids)
+            assert text == prompt and finish == "length"
+            assert token_logprobs[0] is None and len(token_logprobs) == len(ids)
+            assert token_logprobs[1:] == pytest.approx([lp.logprob for lp in local.prompt_logprobs], abs=1e-4)
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            await client.completions.create(model=stack.model, prompt=prompt, max_tokens=0)
+
+
 async def test_prompt_logprobs_bounds(stack):
     async with async_client(stack) as client:
         for value in (-1, 21, "2"):
