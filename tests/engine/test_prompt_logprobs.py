@@ -84,3 +84,14 @@ def test_one_token_prompt_has_no_entries_and_bounds_are_checked(llm):
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(InvalidArgumentError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_a_request_resumed_after_its_first_token_scores_nothing_again():
+    """Its prompt logprobs went out with that token: a copy resumed elsewhere (failover, takeover)
+    neither computes nor holds them, so it may take prefix-cache hits again."""
+    from scheduler_service.core.request import Request
+
+    params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    fresh = Request("a", [1, 2, 3], params)
+    resumed = Request("a", [1, 2, 3], params, output_token_ids=[7])
+    assert fresh.prompt_logprobs == [None, None, None] and resumed.prompt_logprobs is None

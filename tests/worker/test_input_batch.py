@@ -26,6 +26,14 @@ def test_add_fills_a_row_with_tokens_blocks_and_params():
     assert (batch.temperature[row], batch.top_k[row], batch.seed[row], batch.num_logprobs[row]) == (0.5, 3, 11, 2)
 
 
+def test_prompt_logprobs_are_computed_only_before_the_first_output():
+    batch = make_batch()
+    fresh = batch.add(new_req("a", [5, 6, 7], [1], prompt_logprobs=3))
+    resumed = batch.add(new_req("b", [5, 6, 7], [2], outputs=[9], prompt_logprobs=3))  # it published them
+    plain = batch.add(new_req("c", [5, 6, 7], [3]))
+    assert batch.num_prompt_logprobs[[fresh, resumed, plain]].tolist() == [3, -1, -1]
+
+
 def test_update_appends_blocks_and_takes_computed_count():
     batch = make_batch()
     row = batch.add(new_req("a", [1] * 5, [3, 4]))
