@@ -3,8 +3,9 @@
 The tiny random Llama and Qwen2 of the engine tests (``tests/worker/factories.py``), in fp32:
 ``pagedserve.LLM`` must give transformers' ``generate(do_sample=False)`` tokens exactly — all
 prompts in one batch, with prefill chunked, and with a KV cache too small for all requests at once
-(preemption by recompute). Then bf16: how far the engine's bf16 tokens follow its fp32 tokens
-(greedy paths of a random model part at near-ties, so this is reported, with a loose floor).
+(preemption by recompute); the prompt logprobs of chunked prompts against transformers'
+log-softmax. Then bf16: how far the engine's bf16 tokens follow its fp32 tokens (greedy paths of a
+random model part at near-ties, so this is reported, with a loose floor).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def modes(dry: bool) -> dict[str, dict]:
         "preempt": dict(num_blocks=10, block_size=4) if dry else dict(num_blocks=16, block_size=16),
     }
 BF16_MIN_AGREEMENT = 0.5  # mean share of each output before its first difference from fp32
+PROMPT_LOGPROBS_TOLERANCE = 1e-3  # fp32: largest |ours - transformers'| of a prompt token's logprob
 
 
 def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
@@ -32,6 +34,25 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> float:
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         shares.append(same / max(len(b), 1))
     return sum(shares) / len(shares)
+
+
+def prompt_logprobs_row(llm, hf, prompts: list[list[int]]) -> dict:
+    """Each prompt's token logprobs (SamplingParams.prompt_logprobs) against transformers' log-softmax
+    of the same positions."""
+    import torch
+
+    from pagedserve import SamplingParams
+
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    worst = 0.0
+    for prompt, out in zip(prompts, outputs):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=hf.device)
+            reference = torch.log_softmax(hf(ids).logits[0, :-1].float(), dim=-1)
+        expected = reference.gather(1, ids[0, 1:, None])[:, 0].cpu()
+        got = torch.tensor([lp.logprob for lp in out.prompt_logprobs])
+        worst = max(worst, (got - expected).abs().max().item() if len(got) else 0.0)
+    return dict(max_abs_diff=worst, passed=worst <= PROMPT_LOGPROBS_TOLERANCE)
 
 
 def run(ctx: Context) -> dict:
@@ -59,6 +80,10 @@ def run(ctx: Context) -> dict:
             log(f"{family} fp32 {mode}: {matches}/{len(prompts)} prompts match transformers, "
                 f"{preemptions} preemptions, backend {llm.runner.attention_backend}")
             fp32_tokens = fp32_tokens or tokens
+            if mode == "chunked":
+                rows["prompt_logprobs"] = prompt_logprobs_row(llm, hf, prompts)
+                log(f"{family} fp32 prompt logprobs (chunked): largest difference from transformers "
+                    f"{rows['prompt_logprobs']['max_abs_diff']:.1e}")
             del llm
         bf16 = LLM(family, hf_model=hf, device=ctx.device, dtype="bfloat16", skip_tokenizer_init=True)
         bf16_tokens = [o.token_ids for o in bf16.generate(prompts, greedy, use_tqdm=False)]
