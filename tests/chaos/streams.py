@@ -22,22 +22,25 @@ class StreamLog:
     indices: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # every one received (asked for: once)
 
     def add(self, chunk) -> None:
         self.indices.extend(range(chunk.first_index, chunk.first_index + len(chunk.token_ids)))
         self.tokens.extend(chunk.token_ids)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         self.finish_reason = chunk.finish_reason or self.finish_reason
 
 
 async def streams_with_a_fault(gateways: list[str], prompts: list[str], max_tokens: int, fault, *,
-                               finish_within_s: float = 120) -> list[StreamLog]:
-    """Run one greedy stream per prompt; once every one has some tokens and none has finished,
-    ``await fault()``; then wait up to ``finish_within_s`` for all of them (failing with how many
-    are still open)."""
+                               finish_within_s: float = 120, **sampling) -> list[StreamLog]:
+    """Run one greedy stream per prompt (with ``sampling`` arguments besides); once every one has
+    some tokens and none has finished, ``await fault()``; then wait up to ``finish_within_s`` for all
+    of them (failing with how many are still open)."""
     logs = [StreamLog() for _ in prompts]
     async with AsyncClient(gateways, timeout=finish_within_s + 120) as client:
         async def one(i: int) -> None:
-            async with client.stream(prompts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True) as stream:
+            async with client.stream(prompts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                     **sampling) as stream:
                 async for chunk in stream:
                     logs[i].add(chunk)
 

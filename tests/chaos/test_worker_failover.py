@@ -79,6 +79,33 @@ async def test_2_workers_2_schedulers_kill_one_worker(new_cluster, expected):
     await assert_surviving_pools_all_free(stack)
 
 
+async def test_prompt_logprobs_arrive_once_across_a_worker_failover(new_cluster, llm):
+    """Streams that asked for prompt logprobs lose their worker after their first tokens: each
+    client got the prompt's logprobs once, as the in-process engine computes them, and its
+    resumed request (it recomputes prompt + outputs elsewhere) sends none again."""
+    prompts = PROMPTS[:6]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    reference = llm.generate(prompts, params)
+    stack = new_cluster(num_workers=2, num_schedulers=1)
+    await settle(stack, [2])
+
+    async def kill_busiest_worker() -> None:
+        held = await held_requests(stack)
+        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
+        assert held.get(victim.address, 0) > 0
+        stack.kill(victim)
+
+    gateways = [g.address for g in stack.live("gateway")]
+    logs = await streams_with_a_fault(gateways, prompts, MAX_TOKENS, kill_busiest_worker,
+                                      finish_within_s=FINISH_WITHIN_S, prompt_logprobs=2)
+    assert_exactly_the_fault_free_outputs(logs, [r.token_ids for r in reference], MAX_TOKENS)
+    for log, ref in zip(logs, reference, strict=True):
+        assert [lp.token_id for lp in log.prompt_logprobs] == [lp.token_id for lp in ref.prompt_logprobs]
+        expected_logprobs = [lp.logprob for lp in ref.prompt_logprobs]
+        assert [lp.logprob for lp in log.prompt_logprobs] == pytest.approx(expected_logprobs, abs=1e-4)
+    await assert_surviving_pools_all_free(stack)
+
+
 async def test_1_worker_1_scheduler_worker_dies_and_another_joins(new_cluster, expected, tiny_model_dir):
     """No worker at all for 5 s: the streams wait (none fails), then finish on the newcomer."""
     stack = new_cluster(num_workers=1, num_schedulers=1)
