@@ -125,13 +125,17 @@ def engine_request_to_record(request_id: str, prompt_token_ids: list[int], param
 
 
 def output_record_from_bytes(data: bytes) -> OutputRecord:
+    """One per token a gateway streams: the fields of a normal record are read once each, and an
+    error record's (rare) only when it is one."""
     msg = queue_pb2.EngineOutput.FromString(data)
-    code = _STATUS_BY_NUMBER[msg.error_code].name if msg.error_code in _STATUS_BY_NUMBER else None
-    if msg.error_message and code is None:  # written before records carried their code
-        code = "INVALID_ARGUMENT" if msg.error_field else "ABORTED"
-    return OutputRecord(
-        token_ids=list(msg.token_ids), first_index=msg.first_index,
-        logprobs=logprobs_from_pb(msg.logprobs) if msg.logprobs else [],
-        finish_reason=FINISH_REASON_FROM_PB[msg.finish_reason], num_cached_tokens=msg.num_cached_tokens,
-        error_field=msg.error_field, error_message=msg.error_message, error_code=code,
-        prompt_logprobs=logprobs_from_pb(msg.prompt_logprobs) if msg.prompt_logprobs else [])
+    logprobs, prompt_logprobs = msg.logprobs, msg.prompt_logprobs
+    record = OutputRecord(list(msg.token_ids), msg.first_index, logprobs_from_pb(logprobs) if logprobs else [],
+                          FINISH_REASON_FROM_PB[msg.finish_reason], msg.num_cached_tokens,
+                          prompt_logprobs=logprobs_from_pb(prompt_logprobs) if prompt_logprobs else [])
+    message = msg.error_message
+    if message:
+        code = _STATUS_BY_NUMBER[msg.error_code].name if msg.error_code in _STATUS_BY_NUMBER else None
+        if code is None:  # written before records carried their code
+            code = "INVALID_ARGUMENT" if msg.error_field else "ABORTED"
+        record.error_field, record.error_message, record.error_code = msg.error_field, message, code
+    return record

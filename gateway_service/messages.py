@@ -54,10 +54,11 @@ class GenerateChunk:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OutputRecord:
     """One entry of a request's output stream (an EngineOutput). An empty record is the admission
-    marker the gateway writes first."""
+    marker the gateway writes first. Read, never changed (not frozen: one is made per record a
+    gateway reads, and a frozen dataclass's constructor costs twice as much)."""
 
     token_ids: list[int]
     first_index: int

@@ -164,6 +164,8 @@ class OutputFanout:
                 streams[key] = min((sub.last_id for sub in readers), key=_entry_id)
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
+                if reply and len(reply) == 1 and len(streams) > 2:
+                    reply = await self._rest_of_the_step(streams, reply)
             except RedisError as exc:
                 now = loop.time()
                 if down_since is None:
@@ -189,6 +191,16 @@ class OutputFanout:
                     if new:
                         sub.last_id = new[-1][0]
                         sub.deliver([fields.get(b"data", b"") for _id, fields in new])
+
+    async def _rest_of_the_step(self, streams: dict, reply: list) -> list:
+        """``reply`` and what the other streams hold now. Redis up to 7.0 answers a blocked multi-key
+        XREAD with the one stream whose entry woke it, though the scheduler's script appended one to
+        every stream of the step at once: read the others at once (no wait), before delivering any,
+        so a step's records reach the calls together (one GenerateMany response per step, not two)."""
+        (key, entries), = reply
+        rest = {**streams, key: entries[-1][0]}  # after what came
+        more = await self._redis.xread(rest, count=self._count)
+        return [*reply, *(more or ())]
 
     async def _fail_vanished(self) -> None:
         """After an outage: a request whose output stream is gone (Redis came back without its last

@@ -302,3 +302,44 @@ async def test_the_output_fanout_stops_cleanly_with_redis_gone(tmp_path, caplog)
 
     assert "could not delete gone:gw:gw:wake" in caplog.text
     await client.aclose()
+
+
+async def test_a_steps_records_reach_the_readers_together(redis_server):
+    """The scheduler appends a step's records to every stream in one script; a blocked multi-key
+    XREAD may return only the stream that woke it (Redis up to 7.0): the fanout reads the rest at
+    once, so every reader has its record before any other task runs (one GenerateMany response a
+    step, not two)."""
+    from gateway_service.output_fanout import OutputFanout
+
+    client = aioredis.Redis(port=redis_server.port)
+    keys = RedisKeys("together:")
+    fanout = OutputFanout(client, keys, "gw", block_ms=2000)
+    loop = asyncio.get_running_loop()
+    delivered = 0
+    seen_by_the_next_task: list[int] = []  # records delivered when a task scheduled at a delivery ran
+
+    def listener(item) -> None:
+        nonlocal delivered
+        if delivered == sum(seen_by_the_next_task[-1:]):  # the first delivery since the last look
+            loop.call_soon(lambda: seen_by_the_next_task.append(delivered))
+        delivered += len(item)
+
+    for i in range(5):
+        fanout.subscribe(keys.output(f"r{i}")).listen(listener)
+    fanout.start()
+    try:
+        for step in range(1, 4):
+            await client.xadd(fanout.wake_key, {"w": "1"})
+            await asyncio.sleep(0.2)  # the fanout blocks on every stream again
+            pipe = client.pipeline(transaction=True)
+            for i in range(5):
+                pipe.xadd(keys.output(f"r{i}"), {"data": b""})
+            await pipe.execute()
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if delivered == 5 * step:
+                    break
+        assert seen_by_the_next_task == [5, 10, 15]
+    finally:
+        await fanout.stop()
+        await client.aclose()
