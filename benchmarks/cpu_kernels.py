@@ -114,12 +114,9 @@ def decode(rounds: int, against: str | None, layers: int = 30, blocks: int = 436
     if blocks < 32 * -(-651 // BLOCK):
         raise SystemExit(f"--blocks must be at least {32 * -(-651 // BLOCK)} (32 sequences of up to 651 tokens)")
     gen = torch.Generator().manual_seed(0)
-    # bf16 as the worker runs on CPUs with AVX512-BF16; elsewhere the fp32 kernel the worker runs there
-    probe = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    cache_probe = torch.empty(KV_HEADS, 1, BLOCK, HEAD_DIM, dtype=torch.bfloat16).permute(1, 2, 0, 3)
-    dtype = torch.bfloat16
-    if cpu._function(dtype) is None or not cpu._supported(probe, cache_probe, cache_probe):
-        dtype = torch.float32
+    # bf16 where the worker runs bf16 (a CPU with native bf16); elsewhere the fp32 kernel it runs there
+    dtype = torch.bfloat16 if cpu.native_bf16() is not None else torch.float32
+    if dtype == torch.float32:
         print("the C decode kernel has no bf16 path on this machine: decode timed in float32")
     if against and dtype != torch.bfloat16:
         raise SystemExit("--against compares the bf16 entry point, which this machine cannot run")

@@ -169,12 +169,10 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[part]).float(), dim=-1)  # [k, V]
             chosen = logprobs.gather(1, target[:, None])  # [k, 1]
             ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
-            top_lps, top_ids = logprobs.topk(rows.num_top, dim=-1) if rows.num_top else (None, None)
-            top_lps = top_lps.tolist() if top_lps is not None else None
-            top_ids = top_ids.tolist() if top_ids is not None else None
-            for i, (token_id, logprob) in enumerate(zip(target.tolist(), chosen[:, 0].tolist())):
-                top = list(zip(top_ids[i], top_lps[i])) if top_ids is not None else []
-                out.append(TokenLogprobs(token_id, logprob, top, ranks[i]))
+            best = logprobs.topk(rows.num_top, dim=-1)  # num_top 0: empty rows
+            for token_id, logprob, rank, top_ids, top_lps in zip(target.tolist(), chosen[:, 0].tolist(), ranks,
+                                                                 best.indices.tolist(), best.values.tolist()):
+                out.append(TokenLogprobs(token_id, logprob, list(zip(top_ids, top_lps)), rank))
         return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
