@@ -278,9 +278,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
+        from servicekit.gguf_cache import hf_folder
+
         t0 = time.perf_counter()
-        hf_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
-                                                        **source.from_pretrained_kwargs()).eval()
+        hf_source = hf_folder(source, weights=True)  # a GGUF file: its converted copy (the engine's too)
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_source.path, dtype=dtype,
+                                                        **hf_source.from_pretrained_kwargs()).eval()
         result["hf_model_load_s"] = round(time.perf_counter() - t0, 3)
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else 0
         if args.tune_malloc_for_transformers:

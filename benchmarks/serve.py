@@ -445,10 +445,9 @@ def _served_model(base_url: str) -> str:
 
 
 def _vocab_size(source) -> int:
-    from transformers import AutoConfig
+    from worker_service.loader import load_hf_config
 
-    config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs())
-    return config.vocab_size
+    return load_hf_config(source).vocab_size
 
 
 if __name__ == "__main__":

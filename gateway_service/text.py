@@ -22,13 +22,15 @@ from servicekit.contract.errors import InvalidArgumentError
 
 
 def load_tokenizer(model: str) -> Any:
-    """The Hugging Face tokenizer of ``model`` (a short name, a folder or a .gguf file)."""
+    """The Hugging Face tokenizer of ``model`` (a short name, a folder or a .gguf file; a GGUF
+    file's is converted once and read from the model cache after: ``servicekit.gguf_cache``)."""
     from transformers import AutoTokenizer
 
+    from servicekit.gguf_cache import hf_folder
     from servicekit.model_registry import resolve_model
 
-    source = resolve_model(model)
     try:
+        source = hf_folder(resolve_model(model), weights=False)
         return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())
     except (OSError, ValueError) as e:
         raise InvalidArgumentError("tokenizer", f"cannot load one from {model!r} ({e})") from e

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kernels.cpu import BF16_CPU_FLAGS, native_bf16
+from servicekit.gguf_cache import hf_folder
 from servicekit.model_registry import ModelSource, resolve_model
 from worker_service.models import model_class_for
 from worker_service.models.layers import RotaryEmbedding
@@ -83,8 +84,10 @@ class LoadedModel:
 
 
 def load_hf_config(source: ModelSource) -> Any:
+    """The checkpoint's transformers config (a GGUF file's from its converted copy: see gguf_cache)."""
     from transformers import AutoConfig
 
+    source = hf_folder(source, weights=False)
     return AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs())
 
 
@@ -108,6 +111,8 @@ def load_model(
         source = ModelSource(name=model, path=getattr(hf_model, "name_or_path", "") or model)
     else:
         source = resolve_model(model)
+    if hf_model is None:  # a GGUF file's weights are converted once, then read from the cache (gguf_cache)
+        source = hf_folder(source, weights=True)
     device = torch.device(device)
     hf_config = hf_model.config if hf_model is not None else load_hf_config(source)
     cls = model_class_for(hf_config)  # refuses unsupported architectures before reading weights

@@ -43,13 +43,14 @@ class SmolLM2:
 def smollm2() -> SmolLM2:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from servicekit.gguf_cache import hf_folder
     from servicekit.model_registry import ModelNotFoundError, resolve_model
 
     try:
         source = resolve_model("smollm2-135m")
     except ModelNotFoundError as e:
         pytest.skip(str(e))
-    kwargs = source.from_pretrained_kwargs()
-    hf = AutoModelForCausalLM.from_pretrained(source.path, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+    # the GGUF file's converted copy (the model cache), as the engine and the gateway load it
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder(source, weights=True).path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_folder(source, weights=False).path)
     return SmolLM2(hf, tokenizer)

@@ -103,10 +103,11 @@ def _smollm2_gguf() -> Path:
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer random Llama with SmolLM2's tokenizer, saved as a Hugging Face folder."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    gguf = _smollm2_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from gateway_service.text import load_tokenizer
+
+    tokenizer = load_tokenizer(str(_smollm2_gguf()))
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
