@@ -117,6 +117,9 @@ def _convert(source: ModelSource, folder: Path, *, weights: bool) -> None:
         else:
             AutoConfig.from_pretrained(source.path, **kwargs).save_pretrained(tmp)
             AutoTokenizer.from_pretrained(source.path, **kwargs).save_pretrained(tmp)
+        for path in tmp.iterdir():  # on disk before the folder is named: a crash never leaves a short file
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
         os.rename(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
