@@ -132,12 +132,14 @@ class Stack:
         common = ["--redis-url", redis_url, "--key-prefix", o.key_prefix]
         worker = self._service("worker", ["--model", o.model, "--host", "127.0.0.1", "--port", str(o.worker_port),
                                           *common, *o.worker_args], o.worker_port)
-        self._wait_serving(worker)
-        scheduler = self._service("scheduler", ["--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
-                                                "--port", str(o.scheduler_port), *common], o.scheduler_port)
+        # The gateway needs only Redis: it loads its tokenizer while the worker loads the model. The
+        # scheduler starts once the worker serves, so its first connection finds it.
         gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port),
                                             "--http-port", str(o.http_port), *common],
                                 o.port)
+        self._wait_serving(worker)
+        scheduler = self._service("scheduler", ["--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
+                                                "--port", str(o.scheduler_port), *common], o.scheduler_port)
         self._wait_serving(scheduler)
         self._wait_serving(gateway)
         return f"{o.host}:{o.port}"
