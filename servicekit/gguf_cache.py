@@ -120,7 +120,40 @@ def _convert(source: ModelSource, folder: Path, *, weights: bool) -> None:
         for path in tmp.iterdir():  # on disk before the folder is named: a crash never leaves a short file
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+            path.chmod(0o644)
+        tmp.chmod(0o755)  # readable by other users, as the folder around it (an image's cache made as root)
         os.rename(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m servicekit.gguf_cache MODEL``: convert a GGUF checkpoint into the cache now (an
+    image build, an init container), so the services' first start reads it."""
+    import argparse
+
+    from servicekit.model_registry import resolve_model
+
+    parser = argparse.ArgumentParser(prog="python -m servicekit.gguf_cache", description=main.__doc__)
+    parser.add_argument("model", help="a short name (smollm2-135m), a .gguf file or a folder holding one")
+    parser.add_argument("--tokenizer-only", action="store_true", help="only the gateway's part (no weights)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    source = resolve_model(args.model)
+    if not source.gguf_file:
+        print(f"{args.model} is not a GGUF checkpoint: nothing to convert")
+        return 0
+    if cache_root() is None:
+        print(f"the model cache is off (${CACHE_ENV})")
+        return 1
+    for weights in (False,) if args.tokenizer_only else (False, True):
+        folder = hf_folder(source, weights=weights)
+        if folder is source:
+            return 1  # could not write it: the warning said why
+        print(folder.path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -203,3 +203,15 @@ def test_an_unwritable_or_disabled_cache_loads_the_file_itself(tiny_gguf, monkey
     folder = ModelSource(name="hf", path=str(tmp_path))
     monkeypatch.delenv(gguf_cache.CACHE_ENV)
     assert hf_folder(folder, weights=True) is folder  # not a GGUF file: as it is
+
+
+def test_the_command_converts_ahead_of_the_first_start(tiny_gguf, capsys, tmp_path):
+    path = os.path.join(tiny_gguf.path, tiny_gguf.gguf_file)
+    assert gguf_cache.main([path, "--tokenizer-only"]) == 0
+    folder = capsys.readouterr().out.strip()
+    assert folder == hf_folder(tiny_gguf, weights=False).path and os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    assert oct(os.stat(folder).st_mode & 0o777) == oct(0o755)  # others may read an image's cache made as root
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert gguf_cache.main([str(tmp_path / "hf")]) == 0
+    assert "not a GGUF checkpoint" in capsys.readouterr().out
