@@ -91,6 +91,9 @@ class StackOptions:
     worker_args: list[str] = field(default_factory=list)  # passed through to `pagedserve worker`
 
 
+STOP_ORDER = ("gateway", "scheduler", "worker", "redis")
+
+
 class Stack:
     def __init__(self, options: StackOptions, should_stop=lambda: False) -> None:
         self.options = options
@@ -180,10 +183,11 @@ class Stack:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def stop(self) -> int:
-        """SIGTERM each child in reverse start order and wait for it (gateway first, Redis last).
-        Returns 0 when every child exited cleanly."""
+        """SIGTERM each child and wait for it: the gateway first (its streams drain while the rest
+        still serves), then the scheduler, the worker, Redis last. Returns 0 when every child exited
+        cleanly."""
         worst = 0
-        for child in reversed(self.children):
+        for child in sorted(self.children, key=lambda c: STOP_ORDER.index(c.name)):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
                 try:

@@ -146,3 +146,30 @@ async def test_waiting_for_the_parent_ends_when_the_process_is_reparented(monkey
     monkeypatch.setattr(os, "getppid", lambda: next(parents))
 
     await asyncio.wait_for(serving.wait_for_parent_exit(41, poll_s=0.01), 5)
+
+
+def test_the_launcher_stops_the_gateway_first_and_redis_last_whatever_the_start_order():
+    """The gateway starts beside the worker, the scheduler after it; stopping still goes gateway
+    (its streams drain while the rest serves), scheduler, worker, Redis."""
+    from pagedserve.launcher import Child, Stack, StackOptions
+
+    stopped: list[str] = []
+
+    class FakeProcess:
+        def __init__(self, name: str) -> None:
+            self.name, self.returncode = name, None
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, signum):
+            stopped.append(self.name)
+            self.returncode = -signum
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    stack = Stack(StackOptions(drain_grace_s=0.1))
+    stack.children = [Child(name, FakeProcess(name)) for name in ("redis", "worker", "gateway", "scheduler")]
+    assert stack.stop() == 0
+    assert stopped == ["gateway", "scheduler", "worker", "redis"]
