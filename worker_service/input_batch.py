@@ -22,6 +22,7 @@ import numpy as np
 
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import CachedRequestData, NewRequestData
+from worker_service.sampler import staged_repetition_penalty, staged_temperature
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
@@ -106,11 +107,11 @@ class InputBatch:
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
         p = new.sampling_params
-        self.temperature[row] = p.temperature
+        self.temperature[row] = staged_temperature(p.temperature)
         self.top_k[row] = p.top_k
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
-        self.repetition_penalty[row] = p.repetition_penalty
+        self.repetition_penalty[row] = staged_repetition_penalty(p.repetition_penalty)
         self.presence_penalty[row] = p.presence_penalty
         self.frequency_penalty[row] = p.frequency_penalty
         self.seed[row] = p.seed

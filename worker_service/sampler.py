@@ -7,6 +7,15 @@ counter-based hash (splitmix64 of seed, position and token id) computed with tor
 the whole vocabulary at once. No generator state is carried between steps, so a request samples the
 same tokens alone, inside any batch, and after a replay on another worker.
 
+Parameters past what float32 holds are brought inside it when a request is staged
+(:func:`staged_temperature`, :func:`staged_repetition_penalty`): a temperature below
+``MIN_TEMPERATURE`` samples greedily (as vLLM's ``_SAMPLING_EPS``: ``logits / T`` would overflow to
+``inf`` and the tied infinities pick the lowest id, not the best), one above ``MAX_TEMPERATURE``
+samples as at it (uniform over the tokens the filters keep, either way; past float32's range ``T`` is
+``inf`` and a banned token's ``-inf / inf`` is a NaN that ``argmax`` picks), and a repetition
+penalty is held in ``REPETITION_PENALTY_RANGE`` (``0 / 0``, a zero logit under a penalty that
+rounds to 0, is a NaN).
+
 Order of processing (Hugging Face's): the request's logit bias (OpenAI's), then penalties on the
 raw logits, then the min_tokens ban and the allowed ids (vLLM's ``allowed_token_ids``: every other
 id to -inf), then temperature, then top-k, top-p (on the top-k renormalised distribution), then
@@ -36,6 +45,21 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     return z ^ _shr(z, 31)
+
+
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e30
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # past these, seen tokens already win (or lose) outright
+
+
+def staged_temperature(temperature: float) -> float:
+    """A request's temperature as the sampler's float32 row holds it (0 = greedy)."""
+    return 0.0 if temperature < MIN_TEMPERATURE else min(temperature, MAX_TEMPERATURE)
+
+
+def staged_repetition_penalty(penalty: float) -> float:
+    low, high = REPETITION_PENALTY_RANGE
+    return min(max(penalty, low), high)
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

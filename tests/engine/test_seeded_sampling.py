@@ -93,3 +93,27 @@ def test_logit_bias_bans_and_forces_tokens_and_stays_batch_invariant(tiny_llama,
     assert 17 not in alone and len(set(alone)) > 5
     together = llm.generate(prompts[2:] + prompts[:2], [biased, SEEDED, *OTHERS[:-1]])
     assert together[0].token_ids == alone
+
+
+def test_parameters_past_float32_sample_as_their_limits_never_a_nan(tiny_llama, prompts):
+    """A temperature or repetition penalty that float32 cannot hold (1e39 is inf there, 1e-300 is 0)
+    gave NaN scores that argmax picked: a banned token, one outside allowed_token_ids, EOS before
+    min_tokens. Tiny temperatures sample greedily; huge ones as at MAX_TEMPERATURE."""
+    llm = LLM(tiny_llama.path, skip_tokenizer_init=True, dtype="float32")
+    eos = tiny_llama.hf.config.eos_token_id
+    batch = [prompts[0], prompts[2]]
+
+    def tokens(**params) -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(batch, SamplingParams(max_tokens=8, seed=3, **params))]
+
+    huge = tokens(temperature=1e39, allowed_token_ids=[3, 4, 5])
+    assert all(set(row) <= {3, 4, 5} and len(row) == 8 for row in huge)
+    assert huge == tokens(temperature=1e30, allowed_token_ids=[3, 4, 5])
+    assert tokens(temperature=1e300, top_k=5) == tokens(temperature=1e30, top_k=5)
+    with_min = llm.generate(batch, SamplingParams(max_tokens=8, min_tokens=6, temperature=1e39, seed=3,
+                                                  logit_bias={eos: 100.0}))
+    assert all(len(o.token_ids) >= 6 and eos not in o.token_ids[:6] for o in with_min)
+    greedy = tokens(temperature=0.0)
+    assert tokens(temperature=1e-40) == tokens(temperature=1e-6) == greedy
+    assert tokens(temperature=0.0, repetition_penalty=1e-300) == tokens(temperature=0.0, repetition_penalty=1e-6)
+    assert tokens(temperature=0.0, repetition_penalty=1e300) == tokens(temperature=0.0, repetition_penalty=1e6)
