@@ -71,9 +71,7 @@ class SamplingParams:
         _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-            if self.seed >= SEED_RANGE:
-                raise InvalidArgumentError("seed", f"must be < 2**63, got {self.seed}")
+            _check_int("seed", self.seed, minimum=0, maximum=SEED_RANGE - 1)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -90,9 +88,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, minimum=0)
-                if value > MAX_LOGPROBS:
-                    raise InvalidArgumentError(name, f"at most {MAX_LOGPROBS}, got {value}")
+                _check_int(name, value, minimum=0, maximum=MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -158,11 +154,16 @@ def _check_token_ids(name: str, ids: tuple[int, ...] | list[int], limit: int) ->
         _check_int(name, t, minimum=0)
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+INT32_MAX = 2**31 - 1  # the wire's int32 counts and uint32 token ids hold every value up to it
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int = INT32_MAX) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(name, f"must be an integer, got {value!r}")
     if value < minimum:
         raise InvalidArgumentError(name, f"must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise InvalidArgumentError(name, f"must be <= {maximum}, got {value}")
 
 
 def _check_float(name: str, value: object, *, lo: float | None = None, hi: float | None = None,

@@ -74,3 +74,16 @@ def test_trusted_params_skip_validation_but_keep_defaults():
     assert params == SamplingParams(max_tokens=5, stop=("x",))
     with pytest.raises(TypeError, match="bogus"):
         SamplingParams.trusted(bogus=1)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 10**20), ("top_k", 2**31), ("max_tokens", 2**31), ("min_tokens", 2**40), ("seed", 2**70),
+    ("stop_token_ids", [2**31]), ("allowed_token_ids", [10**20]), ("logit_bias", {2**32: 1.0}),
+])
+def test_integers_past_what_the_wire_holds_are_refused_by_name(field, value):
+    """The wire carries int32 counts and uint32 token ids (seeds int64): a larger value is an
+    InvalidArgumentError naming its field, not an OverflowError in the worker's staging."""
+    with pytest.raises(InvalidArgumentError) as caught:
+        SamplingParams(**{field: value})
+    assert caught.value.field == field
+    assert SamplingParams(top_k=2**31 - 1, stop_token_ids=[2**31 - 1]).top_k == 2**31 - 1
