@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from servicekit.contract.sampling_params import GREEDY_BELOW
+
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; multiplication wraps)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -47,7 +49,7 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-MIN_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = GREEDY_BELOW  # the contract's rule
 MAX_TEMPERATURE = 1e30
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # past these, seen tokens already win (or lose) outright
 

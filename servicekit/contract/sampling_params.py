@@ -28,7 +28,8 @@ class SamplingParams:
     """How to sample one request's tokens and when to stop it.
 
     Invariant (enforced in ``__post_init__``): every field is in range; a bad value raises
-    :class:`InvalidArgumentError` naming the field. ``temperature == 0`` means greedy.
+    :class:`InvalidArgumentError` naming the field. A temperature below ``GREEDY_BELOW`` (0 included)
+    means greedy, as vLLM's ``_SAMPLING_EPS``: divided by less, float32 logits overflow.
     """
 
     max_tokens: int = 16  # output tokens to generate at most (>= 1)
@@ -92,7 +93,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def with_seed(self, seed: int) -> SamplingParams:
         """A copy with ``seed`` set (validated like any field)."""
@@ -154,6 +155,7 @@ def _check_token_ids(name: str, ids: tuple[int, ...] | list[int], limit: int) ->
         _check_int(name, t, minimum=0)
 
 
+GREEDY_BELOW = 1e-5  # temperatures below it sample greedily (the worker's sampler)
 INT32_MAX = 2**31 - 1  # the wire's int32 counts and uint32 token ids hold every value up to it
 
 

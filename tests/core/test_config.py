@@ -87,3 +87,8 @@ def test_integers_past_what_the_wire_holds_are_refused_by_name(field, value):
         SamplingParams(**{field: value})
     assert caught.value.field == field
     assert SamplingParams(top_k=2**31 - 1, stop_token_ids=[2**31 - 1]).top_k == 2**31 - 1
+
+
+def test_greedy_is_a_temperature_below_the_sampling_eps():
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=1e-40).greedy
+    assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=1.0).greedy
