@@ -8,9 +8,9 @@ the whole vocabulary at once. No generator state is carried between steps, so a 
 same tokens alone, inside any batch, and after a replay on another worker.
 
 Parameters past what float32 holds are brought inside it when a request is staged
-(:func:`staged_temperature`, :func:`staged_repetition_penalty`): a temperature below
-``MIN_TEMPERATURE`` samples greedily (as vLLM's ``_SAMPLING_EPS``: ``logits / T`` would overflow to
-``inf`` and the tied infinities pick the lowest id, not the best), one above ``MAX_TEMPERATURE``
+(:func:`staged_temperature`, :func:`staged_repetition_penalty`): a temperature below the
+contract's ``GREEDY_BELOW`` samples greedily (as vLLM's ``_SAMPLING_EPS``: ``logits / T`` would
+overflow to ``inf`` and the tied infinities pick the lowest id, not the best), one above ``MAX_TEMPERATURE``
 samples as at it (uniform over the tokens the filters keep, either way; past float32's range ``T`` is
 ``inf`` and a banned token's ``-inf / inf`` is a NaN that ``argmax`` picks), and a repetition
 penalty is held in ``REPETITION_PENALTY_RANGE`` (``0 / 0``, a zero logit under a penalty that
@@ -49,14 +49,13 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-MIN_TEMPERATURE = GREEDY_BELOW  # the contract's rule
 MAX_TEMPERATURE = 1e30
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # past these, seen tokens already win (or lose) outright
 
 
 def staged_temperature(temperature: float) -> float:
     """A request's temperature as the sampler's float32 row holds it (0 = greedy)."""
-    return 0.0 if temperature < MIN_TEMPERATURE else min(temperature, MAX_TEMPERATURE)
+    return 0.0 if temperature < GREEDY_BELOW else min(temperature, MAX_TEMPERATURE)
 
 
 def staged_repetition_penalty(penalty: float) -> float:
