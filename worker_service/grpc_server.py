@@ -35,6 +35,20 @@ class StepRunner(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class StepSkippedError(RuntimeError):
+    """A step not run: one before it on the same stream failed, or the stream ended."""
+
+
+class _StepStream:
+    """One Step stream's steps handed to the runner thread, in order (see ``WorkerServicer._read_steps``)."""
+
+    __slots__ = ("ended", "steps")
+
+    def __init__(self) -> None:
+        self.steps: asyncio.Queue = asyncio.Queue()
+        self.ended = False  # set on the runner thread by a failed step, or by the handler as it ends
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Invariant: ``_live`` is the set of request ids the runner holds (added by new requests,
     removed by finished / preempted ids and by drops); it is empty whenever no Step stream is open
@@ -76,19 +90,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_open = True
         peer = context.peer()
         log.info("scheduler %s connected", peer)
+        stream = _StepStream()
+        reader = asyncio.get_running_loop().create_task(self._read_steps(request_iterator, stream))
         try:
-            async for msg in request_iterator:
-                scheduler_output = convert.scheduler_output_from_pb(msg)
-                started = time.perf_counter()
-                output = await self._execute(scheduler_output)
-                if self._step_delay_s and scheduler_output.total_num_scheduled_tokens:
-                    await asyncio.sleep(self._step_delay_s)
-                yield convert.runner_output_to_pb(msg.step_id, output, time.perf_counter() - started)
+            while (item := await stream.steps.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                step_id, future = item
+                output, seconds = await asyncio.wrap_future(future)
+                yield convert.runner_output_to_pb(step_id, output, seconds)
         except Exception:
             if not self.stopping:
                 raise
             # The server stops under an open stream (the end of a drain): not an error.
         finally:
+            stream.ended = True  # steps queued behind the one running are skipped
+            reader.cancel()
             log.info("scheduler %s disconnected; dropping %d requests", peer, len(self._live))
             # Taken now, before the next stream can add requests; run on the runner thread after
             # this stream's last step and before the next stream's first (one FIFO thread). Not
@@ -96,6 +113,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             drop = self._take_live()
             self._stream_open = False
             asyncio.get_running_loop().create_task(drop)
+
+    async def _read_steps(self, request_iterator, stream: _StepStream) -> None:
+        """Hand each step to the runner thread as soon as it arrives. With asynchronous scheduling
+        the next step arrives while one runs: queued behind it on the one FIFO thread, it starts the
+        moment that one ends, not after the event loop has sent its answer and read the next
+        message. ``stream.steps`` gets ``(step_id, future)`` per step, then None (the scheduler
+        closed its side) or the error that ended the reading."""
+        try:
+            async for msg in request_iterator:
+                scheduler_output = convert.scheduler_output_from_pb(msg)
+                self._track_live(scheduler_output)
+                future = self._executor.submit(self._run_step, scheduler_output, stream)
+                stream.steps.put_nowait((msg.step_id, future))
+            stream.steps.put_nowait(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the call's reading failed: the handler raises it
+            stream.steps.put_nowait(exc)
+
+    def _run_step(self, scheduler_output: SchedulerOutput, stream: _StepStream) -> tuple[ModelRunnerOutput, float]:
+        """On the runner thread: one step, and its seconds. After a failed step, or once the stream
+        ended, the steps queued behind it are not run (the scheduler treats the worker as lost)."""
+        if stream.ended:
+            raise StepSkippedError("an earlier step of this stream failed, or the stream ended")
+        started = time.perf_counter()
+        try:
+            output = self._runner.execute_model(scheduler_output)
+        except BaseException:
+            stream.ended = True
+            raise
+        if self._step_delay_s and scheduler_output.total_num_scheduled_tokens:
+            time.sleep(self._step_delay_s)
+        self.num_steps += 1
+        return output, time.perf_counter() - started
 
     async def Reset(self, request, context):
         # While a scheduler drives this worker its plan mirrors the runner's requests: dropping them
@@ -107,7 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     # -- runner calls ---------------------------------------------------------------------------------
 
-    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _track_live(self, scheduler_output: SchedulerOutput) -> None:
         live = self._live
         live.difference_update(scheduler_output.finished_req_ids)
         live.difference_update(scheduler_output.preempted_req_ids)
@@ -116,10 +167,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._idle.clear()
         else:
             self._idle.set()
-        loop = asyncio.get_running_loop()
-        output = await loop.run_in_executor(self._executor, self._runner.execute_model, scheduler_output)
-        self.num_steps += 1
-        return output
 
     async def _drop_all(self) -> int:
         """Finish every live request in the runner (one empty step carrying their ids)."""

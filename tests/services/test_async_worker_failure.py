@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 
 import pytest
@@ -95,3 +96,54 @@ async def test_a_write_after_the_worker_ended_the_stream_is_a_lost_worker():
             await asyncio.sleep(0.01)
         with pytest.raises(WorkerLostError, match="Step stream ended: INTERNAL"):
             await client.send(SchedulerOutput())
+
+
+class LoopBlockingRunner(SimulatedRunner):
+    """Its first non-empty step holds the worker's event loop for ``hold_s`` just as it ends (as a
+    long answer being sent would); the times the loop was freed and each later step started."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, hold_s: float) -> None:
+        super().__init__(INFO, step_latency=(0.0, 0.0))
+        self.loop, self.hold_s = loop, hold_s
+        self.starts: list[float] = []
+        self.loop_freed = 0.0
+
+    def _hold_loop(self) -> None:
+        time.sleep(self.hold_s)
+        self.loop_freed = time.perf_counter()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.total_num_scheduled_tokens:
+            self.starts.append(time.perf_counter())
+            if len(self.starts) == 1:
+                time.sleep(0.3)  # the step planned after it arrives meanwhile
+                self.loop.call_soon_threadsafe(self._hold_loop)
+        return super().execute_model(scheduler_output)
+
+
+async def test_a_step_sent_ahead_starts_when_the_one_before_ends_not_when_the_event_loop_is_free():
+    """With asynchronous scheduling the next step reaches the worker while one runs: it goes to the
+    runner thread at once and starts the moment the step before it ends, however long the event loop
+    then takes to send that step's answer (a busy loop used to sit between every two steps)."""
+    runner = LoopBlockingRunner(asyncio.get_running_loop(), hold_s=0.5)
+    servicer = WorkerServicer(runner, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64)
+    server = build_server(servicer)
+    port = server.bind("127.0.0.1:0")
+    await server.start()
+    client, description = await connect(f"127.0.0.1:{port}")
+    try:
+        core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
+        core.add_request(make_request("a", max_tokens=8))
+        first = core.schedule()
+        await client.send(first)
+        ahead = core.schedule_continuation(first)
+        assert ahead is not None
+        await client.send(ahead)
+        assert (await client.receive()).sampled_token_ids and (await client.receive()).sampled_token_ids
+        assert len(runner.starts) == 2
+        assert runner.starts[1] < runner.loop_freed  # old behaviour: after it, 0.5 s later
+    finally:
+        await client.close()
+        servicer.stopping = True
+        await server.drain(0.5)
+        servicer.close()
