@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pagedserve.aio_client import DEFAULT_ADDRESS
 from pagedserve.launcher import StackOptions
 from servicekit.flags import add_flag, add_setting_flags, settings_kwargs
+from servicekit.ports import SCHEDULER_PORT
 
 SERVICES = ("gateway", "scheduler", "worker")
 
@@ -105,7 +106,9 @@ def build_parser(env) -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=3.0)
     _add_tls_flags(health, env)
     stats = sub.add_parser("stats", help="print a scheduler's stats (workers, KV block pools, failover counters)")
-    stats.add_argument("address", help="host:port of a scheduler's admin server (default port 50052)")
+    stats.add_argument("address", nargs="?", default=f"127.0.0.1:{SCHEDULER_PORT}",
+                       help="host:port of a scheduler's admin server (default: %(default)s, the scheduler "
+                            "`pagedserve serve` starts)")
     stats.add_argument("--timeout", type=float, default=5.0)
     add_flag(stats, env, "internal-token", default="", secret=True, help="the services' shared internal token")
     _add_tls_flags(stats, env)

@@ -146,3 +146,12 @@ def test_scheduler_settings_parse_worker_lists_and_booleans():
     env = {"PAGEDSERVE_ENABLE_PREFIX_CACHING": "false"}
     settings = settings_from_args(build_parser(env).parse_args(["--workers", "a:1, b:2"]))
     assert settings.workers == ("a:1", "b:2") and settings.enable_prefix_caching is False
+
+
+def test_client_commands_default_to_the_stack_pagedserve_serve_starts():
+    from pagedserve.cli import build_parser
+
+    parser = build_parser({})
+    assert parser.parse_args(["stats"]).address == "127.0.0.1:50052"  # the scheduler's admin port
+    assert parser.parse_args(["stats", "sched:6000"]).address == "sched:6000"
+    assert parser.parse_args(["generate", "hi"]).address == "127.0.0.1:50051"  # the gateway
