@@ -127,8 +127,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 future = self._executor.submit(self._run_step, scheduler_output, stream)
                 stream.steps.put_nowait((msg.step_id, future))
             stream.steps.put_nowait(None)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the call's reading failed: the handler raises it
             stream.steps.put_nowait(exc)
 
