@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pagedserve.client_types import Chunk, ModelInfo, Usage
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.prompt import token_id_list
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.proto.convert import (
     _SCALAR_FIELDS,
@@ -45,6 +46,8 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))}")
     msg = generation_pb2.GenerateRequest(request_id=request_id, model=model, priority=priority,
                                          cache_salt=cache_salt, include_special_tokens=include_special_tokens)
+    if messages is not None and prompt is not None:
+        raise InvalidArgumentError("messages", "give a prompt or messages (a chat), not both")
     if messages is not None:
         _add_chat(msg.chat, messages)
         if add_generation_prompt is not None:
@@ -56,7 +59,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     elif isinstance(prompt, str):
         msg.prompt = prompt
     elif prompt is not None:
-        msg.prompt_token_ids.ids.extend(int(t) for t in prompt)
+        msg.prompt_token_ids.ids.extend(token_id_list(prompt))
     if resume_from_index is not None:
         msg.resume_from_index = resume_from_index
     if truncate_prompt_tokens is not None:
@@ -96,6 +99,8 @@ def chunk_from_pb(msg):
 
 def build_tokenize_request(text=None, *, messages=None, model: str = ""):
     msg = generation_pb2.TokenizeRequest(model=model)
+    if messages is not None and prompt is not None:
+        raise InvalidArgumentError("messages", "give a prompt or messages (a chat), not both")
     if messages is not None:
         _add_chat(msg.chat, messages)
     else:

@@ -6,13 +6,36 @@ scheduler's routing (which worker can take a request); inner services trust what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.sampling_params import INT32_MAX
 
 if TYPE_CHECKING:
     from servicekit.contract.sampling_params import SamplingParams
+
+
+def token_id_list(value: object, field: str = "prompt") -> list[int]:
+    """A caller's token ids as a list: any iterable of integers (numpy's too), each in [0, 2**31)
+    (what the wire's ids hold; the vocabulary is checked where it is known, :func:`check_prompt`).
+    Bytes, a mapping, a float or a boolean id is refused naming ``field``: never truncated (1.7 is
+    not 1) or read as something else (``b"hi"`` is not the ids 104, 105)."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise InvalidArgumentError(field, f"must be text or a list of token ids, got {type(value).__name__}")
+    ids = []
+    for token in value:
+        if isinstance(token, bool):
+            raise InvalidArgumentError(field, f"token ids must be integers, got {token!r}")
+        try:
+            token_id = operator.index(token)
+        except TypeError:
+            raise InvalidArgumentError(field, f"token ids must be integers, got {token!r}") from None
+        if not 0 <= token_id <= INT32_MAX:
+            raise InvalidArgumentError(field, f"token id {token_id} is out of vocabulary (ids are >= 0 and < 2**31)")
+        ids.append(token_id)
+    return ids
 
 
 def length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> InvalidArgumentError | None:

@@ -92,3 +92,40 @@ def test_integers_past_what_the_wire_holds_are_refused_by_name(field, value):
 def test_greedy_is_a_temperature_below_the_sampling_eps():
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=1e-40).greedy
     assert not SamplingParams(temperature=1e-5).greedy and not SamplingParams(temperature=1.0).greedy
+
+
+@pytest.mark.parametrize(("prompt", "words"), [
+    ([1.7, 5], "token ids must be integers, got 1.7"),  # never truncated to 1
+    ([True, 5], "token ids must be integers, got True"),
+    (["a"], "token ids must be integers, got 'a'"),
+    ([-1, 5], "token id -1 is out of vocabulary"),
+    ([2**40], "token id 1099511627776 is out of vocabulary"),
+    (b"hi", "must be text or a list of token ids, got bytes"),  # not the ids 104, 105
+    ({"a": 1}, "must be text or a list of token ids, got dict"),
+    (7, "must be text or a list of token ids, got int"),
+])
+def test_token_ids_from_a_caller_are_integers_or_refused_by_name(prompt, words):
+    from pagedserve.wire import build_generate_request
+    from servicekit.contract.prompt import token_id_list
+
+    for refuse in (token_id_list, build_generate_request):  # the contract, then the SDK's request
+        with pytest.raises(InvalidArgumentError, match="prompt") as info:
+            refuse(prompt)
+        assert words in str(info.value)
+
+
+def test_token_id_lists_take_any_iterable_of_integers():
+    import numpy as np
+
+    from pagedserve.wire import build_generate_request
+    from servicekit.contract.prompt import token_id_list
+
+    assert token_id_list((1, 2)) == token_id_list(np.array([1, 2])) == token_id_list(range(1, 3)) == [1, 2]
+    assert list(build_generate_request(np.array([3, 4])).prompt_token_ids.ids) == [3, 4]
+
+
+def test_the_sdk_refuses_a_prompt_and_messages_together():
+    from pagedserve.wire import build_generate_request
+
+    with pytest.raises(InvalidArgumentError, match="messages: give a prompt or messages"):
+        build_generate_request("hi", messages=[{"role": "user", "content": "x"}])  # was: the prompt dropped
