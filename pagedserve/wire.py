@@ -44,8 +44,12 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     unknown = set(sampling) - _SAMPLING_KWARGS
     if unknown:
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))}")
-    msg = generation_pb2.GenerateRequest(request_id=request_id, model=model, priority=priority,
-                                         cache_salt=cache_salt, include_special_tokens=include_special_tokens)
+    msg = generation_pb2.GenerateRequest()
+    for name, value in (("request_id", request_id), ("model", model), ("priority", priority),
+                        ("cache_salt", cache_salt), ("include_special_tokens", include_special_tokens),
+                        ("resume_from_index", resume_from_index), ("truncate_prompt_tokens", truncate_prompt_tokens)):
+        if value is not None:
+            _set(msg, name, value)
     if messages is not None and prompt is not None:
         raise InvalidArgumentError("messages", "give a prompt or messages (a chat), not both")
     if messages is not None:
@@ -60,10 +64,6 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
         msg.prompt = prompt
     elif prompt is not None:
         msg.prompt_token_ids.ids.extend(token_id_list(prompt))
-    if resume_from_index is not None:
-        msg.resume_from_index = resume_from_index
-    if truncate_prompt_tokens is not None:
-        msg.truncate_prompt_tokens = truncate_prompt_tokens
     if sampling_params is not None:
         sampling_params_to_pb(sampling_params, msg.sampling_params)
     sp = msg.sampling_params
@@ -71,9 +71,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
         if value is None:
             continue
         if name in ("stop", "stop_token_ids", "allowed_token_ids"):
-            field = getattr(sp, name)
-            del field[:]
-            field.extend([value] if isinstance(value, str) else value)
+            _set(sp, name, [value] if isinstance(value, str) else value)
         elif name == "logit_bias":  # {token_id: bias} or (id, bias) pairs
             sp.logit_bias.clear()
             try:
@@ -81,8 +79,23 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
             except (TypeError, ValueError) as exc:  # an id the wire cannot carry (negative, not an int)
                 raise InvalidArgumentError("logit_bias", f"must map token ids (>= 0) to biases: {exc}") from None
         else:
-            setattr(sp, name, value)
+            _set(sp, name, value)
     return msg
+
+
+def _set(msg, name: str, value) -> None:
+    """``msg.name = value`` (a repeated field: its items replaced), a value the wire cannot carry
+    (a string for a number, a float for an integer, out of the field's range) refused naming the
+    argument, not as protobuf's bare TypeError / ValueError."""
+    field = getattr(msg, name)
+    try:
+        if isinstance(field, (bool, int, float, str, bytes)):  # a scalar field
+            setattr(msg, name, value)
+        else:
+            del field[:]
+            field.extend(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(name, f"{value!r} does not fit ({exc})") from None
 
 
 def chunk_from_pb(msg):
@@ -99,8 +112,8 @@ def chunk_from_pb(msg):
 
 def build_tokenize_request(text=None, *, messages=None, model: str = ""):
     msg = generation_pb2.TokenizeRequest(model=model)
-    if messages is not None and prompt is not None:
-        raise InvalidArgumentError("messages", "give a prompt or messages (a chat), not both")
+    if messages is not None and text is not None:
+        raise InvalidArgumentError("messages", "give text or messages (a chat), not both")
     if messages is not None:
         _add_chat(msg.chat, messages)
     else:

@@ -125,7 +125,22 @@ def test_token_id_lists_take_any_iterable_of_integers():
 
 
 def test_the_sdk_refuses_a_prompt_and_messages_together():
-    from pagedserve.wire import build_generate_request
+    from pagedserve.wire import build_generate_request, build_tokenize_request
 
     with pytest.raises(InvalidArgumentError, match="messages: give a prompt or messages"):
         build_generate_request("hi", messages=[{"role": "user", "content": "x"}])  # was: the prompt dropped
+    with pytest.raises(InvalidArgumentError, match="messages: give text or messages"):
+        build_tokenize_request("hi", messages=[{"role": "user", "content": "x"}])  # was: the text dropped
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"temperature": "hot"}, "temperature"), ({"max_tokens": 2.5}, "max_tokens"), ({"stop": 5}, "stop"),
+    ({"seed": -5}, "seed"), ({"priority": 2**40}, "priority"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+])
+def test_sdk_arguments_the_wire_cannot_carry_are_refused_by_name(kwargs, field):
+    """Not protobuf's bare TypeError / ValueError ('must be real number, not str', 'Value out of range')."""
+    from pagedserve.wire import build_generate_request
+
+    with pytest.raises(InvalidArgumentError, match=f"^{field}: .* does not fit"):
+        build_generate_request("hi", **kwargs)
+    assert build_generate_request("hi", stop="x", seed=5, priority=-3).sampling_params.stop == ["x"]
