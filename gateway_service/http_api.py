@@ -61,6 +61,10 @@ from servicekit.serving import cancel_and_wait
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt as JSON token ids is ~1 MB
+# Arrays and objects nested deeper are refused: what reads the body later (the chat template's
+# kwargs go through transformers' recursive copy, then Jinja) recurses per level. OpenAI's bodies
+# (a tool's JSON schema included) stay far below it.
+MAX_JSON_DEPTH = 64
 
 
 def check_request(request: Request, keys: KeyStore, *, open_route: bool = False) -> str:
@@ -109,10 +113,29 @@ async def _json(request: Request) -> object:
             raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
         parts.append(part)
     body = b"".join(parts)
+    too_deep = InvalidArgumentError("body", f"arrays and objects nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise InvalidArgumentError("body", f"not valid JSON: {exc}") from None
+    except RecursionError:  # nested past the interpreter's own limit ([[[[...]]]])
+        raise too_deep from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    return value
+
+
+def _depth(value: object) -> int:
+    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), without recursing."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        level.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 async def _until_disconnect(request: Request, work: asyncio.Task):

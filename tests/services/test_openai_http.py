@@ -372,6 +372,19 @@ async def test_unknown_model_is_a_404_and_bad_json_a_400(stack):
     with pytest.raises(urllib.error.HTTPError) as caught:
         await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
     assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "body"
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # was a 500 (RecursionError)
+    request = urllib.request.Request(stack.http_url + "/completions", data=deep, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
+    error = json.loads(caught.value.read())["error"]
+    assert caught.value.code == 400 and error["message"] == "body: arrays and objects nested deeper than 64 levels"
+    # within the parser's limit but past ours: the chat template's kwargs were a 500 (transformers recursed)
+    kwargs = '{"a": ' * 900 + "1" + "}" * 900
+    status, reply = await asyncio.to_thread(http, stack, "POST", "/v1/chat/completions", {
+        "model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "chat_template_kwargs": json.loads(kwargs)})
+    assert status == 400 and reply["error"]["param"] == "body", reply
     # a body declared as a form (urllib's and curl -d's default) is refused, as vLLM does
     request = urllib.request.Request(stack.http_url + "/completions", data=b'{"prompt": "Hi"}', method="POST")
     with pytest.raises(urllib.error.HTTPError) as caught:
