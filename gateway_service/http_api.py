@@ -55,6 +55,7 @@ from servicekit.contract.errors import (
     PagedServeError,
     UnavailableError,
 )
+from servicekit.contract.prompt import check_text
 from servicekit.contract.step import FinishReason
 from servicekit.serving import cancel_and_wait
 
@@ -113,29 +114,36 @@ async def _json(request: Request) -> object:
             raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
         parts.append(part)
     body = b"".join(parts)
-    too_deep = InvalidArgumentError("body", f"arrays and objects nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         value = json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise InvalidArgumentError("body", f"not valid JSON: {exc}") from None
     except RecursionError:  # nested past the interpreter's own limit ([[[[...]]]])
-        raise too_deep from None
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise too_deep
+        raise _too_deep() from None
+    _check_parsed(value)
     return value
 
 
-def _depth(value: object) -> int:
-    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), without recursing."""
-    deepest, level = 0, [(value, 1)]
-    while level:
-        item, depth = level.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
+def _too_deep() -> InvalidArgumentError:
+    return InvalidArgumentError("body", f"arrays and objects nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _check_parsed(value: object) -> None:
+    """Refuse what ``json.loads`` takes but nothing after it should see (without recursing):
+    arrays and objects nested deeper than :data:`MAX_JSON_DEPTH`, and strings holding a lone
+    surrogate (JSON's ``"\\ud800"`` escape: not text; the tokenizer and the wire cannot encode it)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            check_text("body", item)
             continue
-        deepest = max(deepest, depth)
-        level.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        children = (*item.keys(), *item.values()) if isinstance(item, dict) else item
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (str, dict, list)))
 
 
 async def _until_disconnect(request: Request, work: asyncio.Task):

@@ -22,7 +22,7 @@ from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, token_id_list
+from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, check_text, token_id_list
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason, TokenLogprobs
 
@@ -239,6 +239,7 @@ class LLM:
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             return self._require_tokenizer().encode_text(prompt)
         return token_id_list(prompt)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pagedserve.client_types import Chunk, ModelInfo, Usage
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.prompt import token_id_list
+from servicekit.contract.prompt import check_text, token_id_list
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.proto.convert import (
     _SCALAR_FIELDS,
@@ -61,6 +61,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
         raise InvalidArgumentError("continue_final_message" if continue_final_message else "add_generation_prompt",
                                    "only applies to messages (a chat)")
     elif isinstance(prompt, str):
+        check_text("prompt", prompt)
         msg.prompt = prompt
     elif prompt is not None:
         msg.prompt_token_ids.ids.extend(token_id_list(prompt))
@@ -95,7 +96,9 @@ def _set(msg, name: str, value) -> None:
             del field[:]
             field.extend(value)
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(name, f"{value!r} does not fit ({exc})") from None
+        shown = repr(value)
+        raise InvalidArgumentError(name, f"{shown if len(shown) <= 80 else shown[:77] + '...'} does not fit "
+                                         f"({exc})") from None
 
 
 def chunk_from_pb(msg):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.prompt import check_text
 
 CHAT_ROLES = ("system", "user", "assistant")  # generation.proto ChatMessage.role
 
@@ -16,3 +17,4 @@ def check_chat_message(index: int, role, content) -> None:
         raise InvalidArgumentError(f"messages[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
     if not isinstance(content, str):
         raise InvalidArgumentError(f"messages[{index}].content", "required: a string")
+    check_text(f"messages[{index}].content", content)

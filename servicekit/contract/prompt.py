@@ -17,6 +17,18 @@ if TYPE_CHECKING:
     from servicekit.contract.sampling_params import SamplingParams
 
 
+def check_text(field: str, text: str) -> None:
+    """Refuse a string that is not Unicode text: one holding a lone surrogate (U+D800..U+DFFF, what a
+    JSON ``"\\ud800"`` escape or a bad decode leaves), which UTF-8, the tokenizer and the wire cannot
+    encode. Cheap for ASCII."""
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError(field, f"must be Unicode text; a lone surrogate ({text[exc.start]!r} at "
+                                              f"{exc.start}) is not") from None
+
+
 def token_id_list(value: object, field: str = "prompt") -> list[int]:
     """A caller's token ids as a list: any iterable of integers (numpy's too), each in [0, 2**31)
     (what the wire's ids hold; the vocabulary is checked where it is known, :func:`check_prompt`).

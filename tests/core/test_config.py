@@ -144,3 +144,19 @@ def test_sdk_arguments_the_wire_cannot_carry_are_refused_by_name(kwargs, field):
     with pytest.raises(InvalidArgumentError, match=f"^{field}: .* does not fit"):
         build_generate_request("hi", **kwargs)
     assert build_generate_request("hi", stop="x", seed=5, priority=-3).sampling_params.stop == ["x"]
+
+
+def test_strings_that_are_not_unicode_text_are_refused_by_name():
+    """A lone surrogate (what a JSON "\\ud800" escape leaves) cannot be encoded by the tokenizer or the
+    wire: it was a bare UnicodeEncodeError from the SDK (a 500 over HTTP)."""
+    from pagedserve.wire import build_generate_request
+    from servicekit.contract.prompt import check_text
+
+    check_text("prompt", "héllo 中文 😀")  # any real text passes
+    lone = r"^prompt: must be Unicode text; a lone surrogate \('\\ud800' at 2\)"
+    with pytest.raises(InvalidArgumentError, match=lone):
+        build_generate_request("hi\ud800")
+    with pytest.raises(InvalidArgumentError, match=r"^messages\[0\]\.content: must be Unicode text"):
+        build_generate_request(messages=[{"role": "user", "content": "\udfff"}])
+    with pytest.raises(InvalidArgumentError, match="^stop: "):
+        build_generate_request("hi", stop=["\ud800"])

@@ -68,6 +68,8 @@ def test_invalid_requests_raise_before_anything_runs(llm):
         llm.generate([good, [10**6]], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidArgumentError, match="prompt: token ids must be integers, got 1.5"):
         llm.generate([good, [1.5, 2]], SamplingParams(max_tokens=2))  # was: run as [1, 2]
+    with pytest.raises(InvalidArgumentError, match="prompt: must be Unicode text"):
+        llm.generate(["\ud800"], SamplingParams(max_tokens=2))
     assert not llm.scheduler.has_unfinished_requests()
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate("text needs a tokenizer")

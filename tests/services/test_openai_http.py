@@ -385,6 +385,13 @@ async def test_unknown_model_is_a_404_and_bad_json_a_400(stack):
         "model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "chat_template_kwargs": json.loads(kwargs)})
     assert status == 400 and reply["error"]["param"] == "body", reply
+    for body in (b'{"prompt": "\\ud800abc", "max_tokens": 2}', b'{"prompt": "hi", "stop": ["\\udfff"]}'):
+        request = urllib.request.Request(stack.http_url + "/completions", data=body, method="POST",  # were 500s
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            await asyncio.to_thread(urllib.request.urlopen, request, None, 10)
+        error = json.loads(caught.value.read())["error"]
+        assert caught.value.code == 400 and "a lone surrogate" in error["message"] and error["param"] == "body"
     # a body declared as a form (urllib's and curl -d's default) is refused, as vLLM does
     request = urllib.request.Request(stack.http_url + "/completions", data=b'{"prompt": "Hi"}', method="POST")
     with pytest.raises(urllib.error.HTTPError) as caught:
