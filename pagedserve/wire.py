@@ -71,16 +71,14 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in ("stop", "stop_token_ids", "allowed_token_ids"):
-            _set(sp, name, [value] if isinstance(value, str) else value)
-        elif name == "logit_bias":  # {token_id: bias} or (id, bias) pairs
+        if name == "logit_bias":  # {token_id: bias} or (id, bias) pairs
             sp.logit_bias.clear()
             try:
                 sp.logit_bias.update(dict(value))
             except (TypeError, ValueError) as exc:  # an id the wire cannot carry (negative, not an int)
                 raise InvalidArgumentError("logit_bias", f"must map token ids (>= 0) to biases: {exc}") from None
-        else:
-            _set(sp, name, value)
+        else:  # a list field (stop, stop_token_ids, allowed_token_ids) is replaced; one stop string is a list
+            _set(sp, name, [value] if name == "stop" and isinstance(value, str) else value)
     return msg
 
 
