@@ -24,9 +24,12 @@ RETRY_BACKOFF_S = 0.2  # doubled after each try without progress
 RETRY_BACKOFF_MAX_S = 2.0
 # Codes of a call that broke for reasons outside the request: a gateway gone, draining or cut off
 # from Redis. A gateway killed mid-stream surfaces as UNAVAILABLE ("Socket closed", "Connection
-# reset"), sometimes as INTERNAL / UNKNOWN from the HTTP/2 layer ("RST_STREAM", "Stream removed").
+# reset"), sometimes as INTERNAL / UNKNOWN from the HTTP/2 layer ("RST_STREAM", "Stream removed"), and
+# as grpc.aio's INTERNAL "Internal error from Core" when the C core failed an operation of the call
+# (the SDK writing the next request of a GenerateMany call into a connection the kill broke).
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
-TRANSPORT_DETAILS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY")
+TRANSPORT_DETAILS = ("RST_STREAM", "Stream removed", "Socket closed", "Connection reset", "GOAWAY",
+                     "Internal error from Core")
 
 
 def is_transient(code: grpc.StatusCode, details: str) -> bool:

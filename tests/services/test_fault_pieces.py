@@ -232,6 +232,17 @@ def test_failover_resumes_from_the_next_index_on_the_next_gateway():
     assert failover.next_try(grpc.StatusCode.ABORTED, "request failed") is None
 
 
+def test_a_call_the_grpc_core_failed_under_a_killed_gateway_is_resumed_elsewhere():
+    """grpc.aio's status when the C core fails an operation of a call (the SDK writing a GenerateMany
+    request into the connection of a gateway just killed): every stream of the call got it and
+    raised InternalError (seen with random faults: a gateway and a worker killed as streams start)."""
+    request = generation_pb2.GenerateRequest(request_id="r")
+    failover = Failover(request, 2, retries=2, timeout=None)
+    assert failover.next_try(grpc.StatusCode.INTERNAL, "Internal error from Core") is not None
+    assert failover.address_index == 1
+    assert failover.next_try(grpc.StatusCode.INTERNAL, "internal error: RuntimeError") is None  # the gateway's own
+
+
 def test_failover_before_any_token_retries_the_request_then_follows_it():
     request = generation_pb2.GenerateRequest(request_id="r")
     failover = Failover(request, 1, retries=3, timeout=None)
