@@ -198,7 +198,10 @@ class Scheduler:
             request.status = _RUNNING
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
+                # The client's prompt tokens the cache served. A request resumed after delivered
+                # outputs reported its figure in those outputs: the hit of its recomputation
+                # (prompt + delivered tokens) is this engine's business, not the client's usage.
+                request.num_cached_tokens = 0 if request.output_token_ids else num_computed
             rid = request.request_id
             num_scheduled[rid] = n
             budget -= n

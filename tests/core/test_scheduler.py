@@ -277,6 +277,25 @@ def test_prefix_hit_leaves_the_last_prompt_token_to_compute():
     assert stats.prefix_cache_queries == 8 + 8 + 9 and stats.prefix_cache_hits == 12
 
 
+def test_a_resumed_request_reports_no_cache_hit_of_its_own_recomputation():
+    """A request resumed after delivered outputs (its worker or scheduler died) recomputes prompt +
+    delivered tokens, which another worker may hold cached: that hit is not the client's (its usage
+    already has the first run's figure; "cached_tokens" never exceeds the prompt)."""
+    s = make_scheduler()
+    prompt = list(range(10, 13))
+    first = make_request(prompt_token_ids=prompt, max_tokens=6)
+    s.add_request(first)
+    outputs = []
+    while s.has_unfinished_requests():
+        outputs += step(s, tokens=lambda rid: 50 + len(outputs))[1].values()
+    delivered = list(first.output_token_ids[:5])  # 3 + 5 tokens: 2 full blocks cached
+    resumed = make_request(prompt_token_ids=prompt, max_tokens=6, output_token_ids=delivered)
+    s.add_request(resumed)
+    out, results = step(s)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 4  # the cache served the recomputation...
+    assert results[resumed.request_id].num_cached_tokens == 0  # ...not the client's prompt
+
+
 def test_cache_salt_isolates_prefixes():
     s = make_scheduler()
     prompt = list(range(10, 19))
