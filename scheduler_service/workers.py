@@ -239,10 +239,14 @@ class WorkerPool:
             return False
 
     async def _probe(self, engine: WorkerEngine) -> None:
-        """A driven worker stopped heartbeating: lost unless it still answers its health check."""
-        if await engine.client.check_health(PROBE_TIMEOUT_S) is None:
-            engine.mark_lost("heartbeats stopped and the worker does not answer")
-        else:
+        """A driven worker left the registry: lost unless it still answers its health check. One
+        that answers NOT_SERVING is draining (it leaves the registry on purpose, finishes what it
+        holds, then stops): expected, not worth a warning."""
+        serving = await engine.client.check_health(PROBE_TIMEOUT_S)
+        if serving is None:
+            engine.mark_lost("heartbeats stopped and the worker does not answer" if engine.accepting
+                             else "it drained and stopped")
+        elif serving:
             log.warning("worker %s answers but its registry entry expired (its Redis link is down?)",
                         engine.address)
 
@@ -267,7 +271,7 @@ class WorkerPool:
         engine.releasing = True
         if engine.load == 0:
             log.info("driving %d workers, fair share %d: releasing %s now", len(active), share, engine.address)
-            engine.mark_lost("released to another scheduler (rebalancing)")
+            engine.mark_lost("released to another scheduler (rebalancing)", expected=True)
         else:
             log.info("driving %d workers, fair share %d: releasing %s once its %d requests finish",
                      len(active), share, engine.address, engine.load)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import pytest
 
@@ -33,13 +34,14 @@ async def start_worker(prefix: str, tiny_model_dir, hf_model, redis_url, *, step
 
 
 @contextlib.asynccontextmanager
-async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_url, *, registry: bool = False):
+async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_url, *, registry: bool = False,
+                    step_delay_s: float = 0.0):
     from gateway_service.main import GatewayApp
     from gateway_service.settings import GatewaySettings
     from scheduler_service.service import SchedulerApp
     from scheduler_service.settings import SchedulerSettings
 
-    worker = await start_worker(prefix, tiny_model_dir, hf_model, redis_url)
+    worker = await start_worker(prefix, tiny_model_dir, hf_model, redis_url, step_delay_s=step_delay_s)
     scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_url, key_prefix=prefix, port=0,
                                                workers=() if registry else (worker.address,), poll_block_ms=200,
                                                discovery_interval_s=0.2))
@@ -78,6 +80,29 @@ async def test_draining_worker_and_scheduler_finish_what_they_hold(tiny_model_di
             await asyncio.wait_for(asyncio.gather(worker_drain, scheduler_drain), 30)
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 80
         assert rest[-1].finish_reason == "length"
+
+
+async def test_a_draining_worker_is_let_go_without_a_warning(tiny_model_dir, hf_model, hf_tokenizer, redis_server,
+                                                             caplog):
+    """A worker draining under its scheduler leaves the registry at once and finishes what it holds
+    over several discovery passes: the scheduler sees it answer NOT_SERVING (no "Redis link is
+    down?" warning), and lets it go with news, not a fault, once it stops holding nothing."""
+    async with own_stack("drained:", tiny_model_dir, hf_model, hf_tokenizer, redis_server.url, registry=True,
+                         step_delay_s=0.02) as (worker, scheduler, gateway):
+        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=60) as client:
+            stream = client.stream("Leaving soon", max_tokens=60, ignore_eos=True)
+            chunks = [await stream.__anext__()]
+            with caplog.at_level(logging.INFO, logger="scheduler_service"):
+                worker_drain = asyncio.create_task(worker.drain(grace_s=30))
+                chunks += [c async for c in stream]  # ~1.2 s: several discovery passes of 0.2 s
+                await asyncio.wait_for(worker_drain, 30)
+                for _ in range(200):  # the scheduler lets the drained worker go
+                    if "it held no requests" in caplog.text:
+                        break
+                    await asyncio.sleep(0.05)
+    assert sum(len(c.token_ids) for c in chunks) == 60 and chunks[-1].finish_reason == "length"
+    scheduler_records = [r for r in caplog.records if r.name.startswith("scheduler_service")]
+    assert not [r.getMessage() for r in scheduler_records if r.levelno >= logging.WARNING]
 
 
 async def test_worker_lost_mid_generation_resumes_on_the_next_worker_with_the_same_tokens(
