@@ -32,15 +32,17 @@ class StreamLog:
 
 
 async def streams_with_a_fault(gateways: list[str], prompts: list[str], max_tokens: int, fault, *,
-                               finish_within_s: float = 120, **sampling) -> list[StreamLog]:
-    """Run one greedy stream per prompt (with ``sampling`` arguments besides); once every one has
-    some tokens and none has finished, ``await fault()``; then wait up to ``finish_within_s`` for all
-    of them (failing with how many are still open)."""
+                               finish_within_s: float = 120, tokens_before_fault: int = TOKENS_BEFORE_FAULT,
+                               per_stream: list[dict] | None = None, **sampling) -> list[StreamLog]:
+    """Run one greedy stream per prompt (with ``sampling`` arguments besides, and ``per_stream[i]``
+    for stream i); once every one has ``tokens_before_fault`` tokens and none has finished, ``await
+    fault()`` (0: as the streams open, before any token); then wait up to ``finish_within_s`` for
+    all of them (failing with how many are still open)."""
     logs = [StreamLog() for _ in prompts]
     async with AsyncClient(gateways, timeout=finish_within_s + 120) as client:
         async def one(i: int) -> None:
-            async with client.stream(prompts[i], max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                                     **sampling) as stream:
+            kwargs = {"temperature": 0, **sampling, **(per_stream[i] if per_stream else {})}
+            async with client.stream(prompts[i], max_tokens=max_tokens, ignore_eos=True, **kwargs) as stream:
                 async for chunk in stream:
                     logs[i].add(chunk)
 
@@ -50,9 +52,12 @@ async def streams_with_a_fault(gateways: list[str], prompts: list[str], max_toke
                 for task in tasks:
                     if task.done():
                         task.result()  # a stream that failed early fails the test with its error
-                return all(len(log.tokens) >= TOKENS_BEFORE_FAULT for log in logs)
+                return all(len(log.tokens) >= tokens_before_fault for log in logs)
 
-            await wait_for_async(all_started, 60, f"every stream has {TOKENS_BEFORE_FAULT} tokens")
+            if tokens_before_fault:
+                await wait_for_async(all_started, 60, f"every stream has {tokens_before_fault} tokens")
+            else:
+                await asyncio.sleep(0)  # the calls start; no token can have arrived
             assert not any(log.finish_reason for log in logs), "a stream finished before the fault"
             await fault()
             done, pending = await asyncio.wait(tasks, timeout=finish_within_s)

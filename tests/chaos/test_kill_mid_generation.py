@@ -1,7 +1,8 @@
 """kill -9 a worker, then a scheduler, then a gateway — then restart Redis and freeze a worker —
-each while 16 greedy streams are mid-generation: every stream completes, each output index
-arrives exactly once, the tokens equal the in-process engine's (a run without faults), and every
-surviving worker's block pool returns to all free.
+each while 16 greedy streams are mid-generation, and last a gateway and a worker at once as 16
+seeded sampling streams open: every stream completes, each output index arrives exactly once,
+the tokens equal the in-process engine's (a run without faults), and every surviving worker's
+block pool returns to all free.
 
 One stack of processes for the module (3 workers, 2 schedulers, 2 gateways); each test breaks one
 more piece of it and checks what survives.
@@ -19,6 +20,7 @@ from pagedserve.admin import async_scheduler_stats
 from pagedserve.local_cluster import LocalCluster
 from servicekit.contract.sampling_params import SamplingParams
 
+from .conftest import start_gateway
 from .streams import StreamLog, assert_surviving_pools_all_free, held_requests
 from .streams import assert_exactly_the_fault_free_outputs as assert_outputs
 from .streams import streams_with_a_fault as run_streams
@@ -133,4 +135,30 @@ async def test_freeze_a_worker_mid_generation(chaos_stack: LocalCluster, expecte
     after = {s.name: await async_scheduler_stats(s.address) for s in stack.live("scheduler")}
     assert sum(after[n].num_resumed - before[n].num_resumed for n in after) > 0  # moved by its scheduler...
     assert all(after[n].num_reclaimed == before[n].num_reclaimed for n in after)  # ...not taken over
+    await assert_surviving_pools_all_free(stack)
+
+
+async def test_seeded_streams_survive_a_gateway_and_a_worker_killed_as_they_open(chaos_stack: LocalCluster, llm,
+                                                                                tiny_model_dir):
+    """Two faults at the first moment: the gateway the SDK streams through and a worker, killed
+    while the calls open (before any token; the SDK was writing into the gateway's connection, so
+    grpc.aio may fail the whole GenerateMany call with INTERNAL "Internal error from Core"). Seeded
+    sampling streams: a request resumed on another worker samples what the run without faults did."""
+    stack = chaos_stack
+    added = start_gateway(stack, tiny_model_dir, "gateway-late")  # the earlier tests left one
+    await asyncio.to_thread(stack.wait_serving, added, timeout_s=60)
+    first, *others = stack.live("gateway")
+    per_stream = [dict(temperature=0.9, top_p=0.9, seed=100 + i) if i % 2 else
+                  dict(temperature=1.2, top_k=40, seed=7 * i) for i in range(NUM_STREAMS)]
+    expected = [o.token_ids for o in llm.generate(PROMPTS, [
+        SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs) for kwargs in per_stream])]
+
+    async def kill_a_gateway_and_a_worker() -> None:
+        await asyncio.sleep(0)  # one more turn of the loop: the first requests are being written
+        stack.kill(first)
+        stack.kill(stack.live("worker")[0])
+
+    logs = await run_streams([first.address] + [g.address for g in others], PROMPTS, MAX_TOKENS,
+                             kill_a_gateway_and_a_worker, tokens_before_fault=0, per_stream=per_stream)
+    assert_outputs(logs, expected, MAX_TOKENS)
     await assert_surviving_pools_all_free(stack)
