@@ -185,8 +185,14 @@ class OutputFanout:
                 if key == wake:
                     wake_last = entries[-1][0]
                     continue
+                asked = _entry_id(streams[key])  # the reply holds the entries after this one
                 for sub in self._subs.get(key, ()):  # none: a request that ended meanwhile
                     after = _entry_id(sub.last_id)
+                    if after < asked:
+                        # Subscribed while the read was out (its position came from a reader now
+                        # gone): these entries are not the next ones it needs. The next read
+                        # starts from it.
+                        continue
                     new = [(entry_id, fields) for entry_id, fields in entries if _entry_id(entry_id) > after]
                     if new:
                         sub.last_id = new[-1][0]
