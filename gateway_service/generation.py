@@ -309,8 +309,10 @@ class GenerationService:
             admitted = True
             if inp.resume_from_index is None:
                 self._tokens_per_key.charge(owner, len(prompt_ids))
-            log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
-                     params.max_tokens)
+                log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
+                         params.max_tokens)
+            else:
+                log.info("request %s resumed from output index %d", request_id, inp.resume_from_index)
             log.debug("request %s prompt: %r", request_id, inp.prompt)
             assembler = ChunkAssembler(
                 request_id, self.tokenizer.hf, prompt_ids, params, resume_from_index=inp.resume_from_index,
