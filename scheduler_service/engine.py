@@ -103,7 +103,8 @@ class WorkerEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._publishing: asyncio.Task | None = None  # the pipeline in flight
-        self.accepting = True  # False while the worker reports NOT_SERVING
+        self.accepting = True  # False while the worker reports NOT_SERVING, or once its health watch ended
+        self.draining = False  # the worker reported NOT_SERVING (it drains: finishes what it holds, then stops)
         self.connected = True  # False once the Step stream failed
         self.releasing = False  # True while handing the worker to another scheduler (rebalancing)
         self.num_steps = 0
@@ -217,7 +218,7 @@ class WorkerEngine:
             self.connected = False
             if cancel_requested():
                 raise asyncio.CancelledError from exc  # shutting down: the requests stay pending in Redis
-            planned = self._lost_expected or not self.accepting  # handed over, or drained (NOT_SERVING)
+            planned = self._lost_expected or self.draining  # handed over, or drained
             if self._entry_ids or not planned:
                 log.warning("%s; resuming its %d requests elsewhere", exc, len(self._entry_ids))
             else:

@@ -131,9 +131,9 @@ class WorkerClient:
             return None
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def watch_health(self, on_change: Callable[[bool], None]) -> None:
-        """Call ``on_change(serving)`` on every health change of the Worker service until the
-        stream ends (worker gone)."""
+    async def watch_health(self, on_change: Callable[[bool | None], None]) -> None:
+        """Call ``on_change(serving)`` on every health change of the Worker service (False: it
+        drains), and ``on_change(None)`` when the watch ends (the worker is gone)."""
         stub = health_pb2_grpc.HealthStub(self._channel)
         call = stub.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
         try:
@@ -141,7 +141,7 @@ class WorkerClient:
                 on_change(reply.status == health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError as exc:
             log.debug("health watch of %s ended: %s", self.address, exc.code().name)
-        on_change(False)
+        on_change(None)
 
     async def close(self) -> None:
         if self._call is not None:

@@ -244,8 +244,8 @@ class WorkerPool:
         holds, then stops): expected, not worth a warning."""
         serving = await engine.client.check_health(PROBE_TIMEOUT_S)
         if serving is None:
-            engine.mark_lost("heartbeats stopped and the worker does not answer" if engine.accepting
-                             else "it drained and stopped")
+            engine.mark_lost("it drained and stopped" if engine.draining
+                             else "heartbeats stopped and the worker does not answer")
         elif serving:
             log.warning("worker %s answers but its registry entry expired (its Redis link is down?)",
                         engine.address)
@@ -383,9 +383,13 @@ class WorkerPool:
         self._on_lost(engine, handed)
         self._wake.set()  # reap it and, if no worker is left here, hand the requests back now
 
-    def _on_worker_health(self, engine: WorkerEngine, serving: bool) -> None:
+    def _on_worker_health(self, engine: WorkerEngine, serving: bool | None) -> None:
+        if serving is None:  # the watch ended: the worker is gone (its Step stream says how), not draining
+            engine.accepting = False
+            return
         if engine.accepting != serving and engine.connected:
             log.info("worker %s %s", engine.address, "accepts requests" if serving else "is draining")
         engine.accepting = serving
+        engine.draining = not serving
         if serving:
             self._on_change()

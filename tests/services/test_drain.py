@@ -106,7 +106,7 @@ async def test_a_draining_worker_is_let_go_without_a_warning(tiny_model_dir, hf_
 
 
 async def test_worker_lost_mid_generation_resumes_on_the_next_worker_with_the_same_tokens(
-        tiny_model_dir, hf_model, hf_tokenizer, redis_server, llm):
+        tiny_model_dir, hf_model, hf_tokenizer, redis_server, llm, caplog):
     prompt, max_tokens = "Interrupted", 300
     expected = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
     async with own_stack("lost:", tiny_model_dir, hf_model, hf_tokenizer, redis_server.url, registry=True) as (
@@ -114,6 +114,7 @@ async def test_worker_lost_mid_generation_resumes_on_the_next_worker_with_the_sa
         async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=60, retries=0) as client:
             stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
             chunks = [await stream.__anext__()]
+            caplog.set_level(logging.INFO, logger="scheduler_service")
             await worker.lifecycle.server.stop(0)  # the worker vanishes (no drain): its request waits
             replacement = await start_worker("lost:", tiny_model_dir, hf_model, redis_server.url)
             try:
@@ -126,3 +127,6 @@ async def test_worker_lost_mid_generation_resumes_on_the_next_worker_with_the_sa
         assert chunks[-1].finish_reason == "length"
         assert await health(f"127.0.0.1:{scheduler.port}") == SERVING
         assert scheduler.stats().num_resumed == 1 and scheduler.stats().num_aborted == 0
+    lost = [r for r in caplog.records if worker.address in r.getMessage()]
+    assert lost and not [r.getMessage() for r in lost if "draining" in r.getMessage()]  # gone, not draining
+    assert any(r.levelno == logging.WARNING and "resuming its 1 requests" in r.getMessage() for r in lost)
