@@ -98,7 +98,6 @@ class WorkerEngine:
         self._aborts: set[str] = set()
         self._drops: set[str] = set()  # taken over by another scheduler: forget, publish nothing
         self._lost_reason: str | None = None
-        self._lost_expected = False  # see mark_lost
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -161,12 +160,10 @@ class WorkerEngine:
             if not self._entry_ids:
                 self._idle.set()
 
-    def mark_lost(self, reason: str, *, expected: bool = False) -> None:
-        """Declare the worker lost: the loop stops stepping and hands its requests back.
-        ``expected``: a planned end (handed to another scheduler), logged as news, not as a fault."""
+    def mark_lost(self, reason: str) -> None:
+        """Declare the worker lost: the loop stops stepping and hands its requests back."""
         if self._lost_reason is None:
             self._lost_reason = reason
-            self._lost_expected = expected
             self.connected = False  # no new requests from now on; the loop hands back the held ones
             self.client.break_stream(reason)
             self._wake.set()
@@ -218,7 +215,7 @@ class WorkerEngine:
             self.connected = False
             if cancel_requested():
                 raise asyncio.CancelledError from exc  # shutting down: the requests stay pending in Redis
-            planned = self._lost_expected or self.draining  # handed over, or drained
+            planned = self.releasing or self.draining  # handed to another scheduler, or drained
             if self._entry_ids or not planned:
                 log.warning("%s; resuming its %d requests elsewhere", exc, len(self._entry_ids))
             else:

@@ -271,7 +271,7 @@ class WorkerPool:
         engine.releasing = True
         if engine.load == 0:
             log.info("driving %d workers, fair share %d: releasing %s now", len(active), share, engine.address)
-            engine.mark_lost("released to another scheduler (rebalancing)", expected=True)
+            engine.mark_lost("released to another scheduler (rebalancing)")
         else:
             log.info("driving %d workers, fair share %d: releasing %s once its %d requests finish",
                      len(active), share, engine.address, engine.load)
