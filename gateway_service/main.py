@@ -18,6 +18,7 @@ from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
 from servicekit.contract.errors import UnavailableError
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import StartupError, is_loopback, service_main
+from servicekit.tls import describe as describe_link
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -93,7 +94,7 @@ class GatewayApp:
             await self._http.start()
         log.info("gateway %s for %s listening on %s:%d (gRPC), HTTP %s (%s, %s)", s.gateway_id, s.model, s.host,
                  self.port, f"on {s.http_host or s.host}:{self.http_port}" if self._http is not None else "off",
-                 "TLS" if s.tls.enabled else "plaintext",
+                 describe_link(s.tls),
                  f"{len(api_keys)} API keys" if api_keys.enabled else "no API keys")
 
     def _key_store(self) -> KeyStore:

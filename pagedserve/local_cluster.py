@@ -3,7 +3,10 @@ workers, schedulers and gateways (``python -m pagedserve.cli <kind> ...``) on fr
 around one redis-server — or a Redis primary with replicas watched by Sentinels
 (:meth:`LocalCluster.start_redis_ha`), which the services then reach through the Sentinels — each
 logging to its own file; every process can be waited for (health SERVING), killed with SIGKILL
-(no drain, no goodbye) or stopped.
+(no drain, no goodbye) or stopped. With ``tls`` (one certificate and key for every process, and the
+CA that signed it) the links are TLS: workers and schedulers require a client certificate of that
+CA (mutual TLS, as the scheduler's Step streams and admin calls run in production), gateways speak
+TLS to clients that verify them against the CA.
 
 ``pagedserve serve`` (``pagedserve.launcher``) is the one-of-each stack for people; this is the
 many-of-each one for programs.
@@ -25,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.launcher import REPO_ROOT, find_redis_server, free_port, redis_pings
 from servicekit.redis_keys import DEFAULT_PREFIX
+from servicekit.tls import TlsFiles, sync_channel
 
 
 @dataclasses.dataclass
@@ -59,8 +63,9 @@ class LocalCluster:
     """Processes under ``workdir`` (logs, Redis' append-only file), all under one key prefix."""
 
     def __init__(self, workdir: Path, *, key_prefix: str = DEFAULT_PREFIX, log_level: str = "INFO",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, tls: TlsFiles | None = None) -> None:
         self.workdir = Path(workdir)
+        self.tls = tls if tls is not None and tls.enabled else None
         self.key_prefix = key_prefix
         self.log_level = log_level
         self.procs: list[Proc] = []
@@ -179,7 +184,7 @@ class LocalCluster:
         if self.sentinels:  # the URL's host and port are then ignored: the Sentinels name the primary
             redis_args += ["--redis-sentinels", self.sentinel_addresses, "--redis-master-name", self.master_name]
         argv = [sys.executable, "-m", "pagedserve.cli", kind, "--port", str(port), *redis_args,
-                "--key-prefix", self.key_prefix, "--log-level", self.log_level, *args]
+                "--key-prefix", self.key_prefix, "--log-level", self.log_level, *self._tls_args(kind), *args]
         if env:
             saved, self.env = self.env, {**self.env, **env}
             try:
@@ -187,6 +192,13 @@ class LocalCluster:
             finally:
                 self.env = saved
         return self._spawn(kind, name, port, argv)
+
+    def _tls_args(self, kind: str) -> list[str]:
+        if self.tls is None:
+            return []
+        pair = ["--tls-cert-file", self.tls.cert_file, "--tls-key-file", self.tls.key_file]
+        # a gateway's clients carry no certificate: its CA option would require one of them
+        return pair if kind == "gateway" else [*pair, "--tls-ca-file", self.tls.ca_file]
 
     def wait_serving(self, *procs: Proc, timeout_s: float = 300) -> None:
         for proc in procs:
@@ -199,7 +211,7 @@ class LocalCluster:
 
     def _serving(self, proc: Proc) -> bool:
         self._exited(proc)
-        with grpc.insecure_channel(proc.address) as channel:
+        with sync_channel(proc.address, self.tls) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
             except grpc.RpcError:

@@ -44,6 +44,7 @@ from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentErr
 from servicekit.metrics import MetricsPort
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
+from servicekit.tls import describe as describe_link
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,10 @@ class SchedulerApp:
             asyncio.create_task(self._intake(), name="intake"),
             asyncio.create_task(self._keep_pending(), name="pending-keeper"),
         ]
-        log.info("scheduler %s on %s:%d, workers: %s; takes over requests idle for %.1fs, at most %d times",
-                 s.consumer, s.host, self.port, ", ".join(s.workers) or "from the Redis registry",
+        token = bool(s.internal_token)
+        log.info("scheduler %s on %s:%d (%s), workers: %s (%s); takes over requests idle for %.1fs, at most %d "
+                 "times", s.consumer, s.host, self.port, describe_link(s.tls if s.tls_cert_file else None, token=token),
+                 ", ".join(s.workers) or "from the Redis registry", describe_link(s.tls, token=token),
                  s.reclaim_idle_s, s.max_retries)
 
     async def wait_for_workers(self, n: int = 1, timeout_s: float = 60.0) -> None:

@@ -48,6 +48,17 @@ class TlsFiles:
                 raise ValueError(f"tls_{name}: cannot read {path!r}")
 
 
+def describe(files: TlsFiles | None, *, token: bool = False) -> str:
+    """How a link is protected, for start-up log lines: "mutual TLS" (a certificate and a CA: a
+    server that requires client certificates, or a client that presents one), "TLS" or
+    "plaintext"; "+ internal token" when calls carry the shared token as well."""
+    if files is None or not files.enabled:
+        kind = "plaintext"
+    else:
+        kind = "mutual TLS" if files.cert_file and files.ca_file else "TLS"
+    return f"{kind} + internal token" if token else kind
+
+
 def _read(path: str) -> bytes | None:
     if not path:
         return None

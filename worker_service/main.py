@@ -40,6 +40,7 @@ from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat
 from servicekit.serving import is_loopback, service_main
 from servicekit.tls import TlsFiles
+from servicekit.tls import describe as describe_link
 from worker_service.config import ModelRunnerConfig
 from worker_service.metrics import WorkerCollector
 from worker_service.simulated_runner import parse_step_latency
@@ -181,9 +182,10 @@ class WorkerApp:
             record = info.at(worker_id=s.worker_id, address=self.address)
             self._heartbeat = Heartbeat(self._redis, RedisKeys(s.key_prefix), record, s.heartbeat_ttl_s)
             await self._heartbeat.start()
-        log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d, attention %s)",
+        log.info("worker %s serving %s on %s (%d KV blocks of %d tokens, max_model_len %d, attention %s; %s)",
                  s.worker_id, info.model, self.address, info.num_blocks, info.block_size, info.max_model_len,
-                 getattr(self._runner, "attention_backend", "simulated"))
+                 getattr(self._runner, "attention_backend", "simulated"),
+                 describe_link(s.tls, token=bool(s.internal_token)))
 
     async def _wait_idle_then_stop(self) -> None:
         try:

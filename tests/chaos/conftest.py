@@ -24,6 +24,7 @@ from services.conftest import (  # noqa: F401  (fixtures re-exported for this fo
 )
 
 from pagedserve.local_cluster import LocalCluster
+from servicekit.tls import TlsFiles
 
 PREFIX = "chaos:"
 FAULT_TIMES = ["--lease-ttl-s", "2", "--reclaim-idle-s", "2", "--discovery-interval-s", "0.25"]
@@ -40,8 +41,8 @@ def start_scheduler(cluster: LocalCluster, name: str):
     return cluster.start("scheduler", name, ["--consumer", name, *FAULT_TIMES])
 
 
-def start_gateway(cluster: LocalCluster, model_dir: str, name: str):
-    return cluster.start("gateway", name, ["--model", model_dir, "--registry-refresh-s", "0.5"])
+def start_gateway(cluster: LocalCluster, model_dir: str, name: str, args: tuple[str, ...] = ()):
+    return cluster.start("gateway", name, ["--model", model_dir, "--registry-refresh-s", "0.5", *args])
 
 
 async def wait_for_async(condition, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
@@ -55,13 +56,15 @@ async def wait_for_async(condition, timeout_s: float, what: str, interval_s: flo
 
 
 def start_cluster(workdir, model_dir: str, *, num_workers: int, num_schedulers: int,
-                  num_gateways: int, redis_ha: bool = False) -> LocalCluster:
+                  num_gateways: int, redis_ha: bool = False, tls: TlsFiles | None = None,
+                  gateway_args: tuple[str, ...] = ()) -> LocalCluster:
     """Redis (AOF on; with ``redis_ha`` a primary + one replica + three Sentinels that fail over
     after 1 s of silence) + workers + schedulers (finding workers in the registry, a fair share
-    each) + gateways, as processes, all SERVING; on failure the cluster is stopped and its logs
-    printed."""
+    each) + gateways (with ``gateway_args`` besides), as processes, all SERVING; with ``tls`` every
+    link but Redis is TLS (mutual between scheduler and worker). On failure the cluster is stopped
+    and its logs printed."""
     redis_server_binary()  # skips when there is none
-    cluster = LocalCluster(workdir, key_prefix=PREFIX, env={"OMP_NUM_THREADS": "1"})
+    cluster = LocalCluster(workdir, key_prefix=PREFIX, env={"OMP_NUM_THREADS": "1"}, tls=tls)
     try:
         if redis_ha:
             cluster.start_redis_ha(num_replicas=1, num_sentinels=3, down_after_ms=1000, failover_timeout_ms=3000)
@@ -69,7 +72,7 @@ def start_cluster(workdir, model_dir: str, *, num_workers: int, num_schedulers: 
             cluster.start_redis()
         workers = [start_worker(cluster, model_dir, f"worker-{i}") for i in range(num_workers)]
         schedulers = [start_scheduler(cluster, f"scheduler-{i}") for i in range(num_schedulers)]
-        gateways = [start_gateway(cluster, model_dir, f"gateway-{i}") for i in range(num_gateways)]
+        gateways = [start_gateway(cluster, model_dir, f"gateway-{i}", gateway_args) for i in range(num_gateways)]
         cluster.wait_serving(*workers, *schedulers, *gateways, timeout_s=120)
     except BaseException:
         print(cluster.logs())

@@ -33,13 +33,15 @@ class StreamLog:
 
 async def streams_with_a_fault(gateways: list[str], prompts: list[str], max_tokens: int, fault, *,
                                finish_within_s: float = 120, tokens_before_fault: int = TOKENS_BEFORE_FAULT,
-                               per_stream: list[dict] | None = None, **sampling) -> list[StreamLog]:
+                               per_stream: list[dict] | None = None, client_options: dict | None = None,
+                               **sampling) -> list[StreamLog]:
     """Run one greedy stream per prompt (with ``sampling`` arguments besides, and ``per_stream[i]``
-    for stream i); once every one has ``tokens_before_fault`` tokens and none has finished, ``await
-    fault()`` (0: as the streams open, before any token); then wait up to ``finish_within_s`` for
-    all of them (failing with how many are still open)."""
+    for stream i) through one SDK client (``client_options``: its API key, TLS files); once every
+    one has ``tokens_before_fault`` tokens and none has finished, ``await fault()`` (0: as the
+    streams open, before any token); then wait up to ``finish_within_s`` for all of them (failing
+    with how many are still open)."""
     logs = [StreamLog() for _ in prompts]
-    async with AsyncClient(gateways, timeout=finish_within_s + 120) as client:
+    async with AsyncClient(gateways, timeout=finish_within_s + 120, **(client_options or {})) as client:
         async def one(i: int) -> None:
             kwargs = {"temperature": 0, **sampling, **(per_stream[i] if per_stream else {})}
             async with client.stream(prompts[i], max_tokens=max_tokens, ignore_eos=True, **kwargs) as stream:
@@ -83,7 +85,7 @@ async def held_requests(stack: LocalCluster) -> dict[str, int]:
     """Worker address -> requests its scheduler holds on it (running + waiting)."""
     held: dict[str, int] = {}
     for scheduler in stack.live("scheduler"):
-        for w in (await async_scheduler_stats(scheduler.address)).workers:
+        for w in (await async_scheduler_stats(scheduler.address, tls=stack.tls)).workers:
             held[w.address] = w.num_running + w.num_waiting
     return held
 
@@ -92,7 +94,7 @@ async def driven_workers(stack: LocalCluster) -> dict[str, list[str]]:
     """Scheduler name -> addresses of the workers it drives (connected, not being handed over)."""
     driven = {}
     for scheduler in stack.live("scheduler"):
-        stats = await async_scheduler_stats(scheduler.address)
+        stats = await async_scheduler_stats(scheduler.address, tls=stack.tls)
         driven[scheduler.name] = sorted(w.address for w in stats.workers if w.connected and not w.releasing)
     return driven
 
@@ -104,7 +106,7 @@ async def assert_surviving_pools_all_free(stack: LocalCluster) -> None:
     async def settled() -> bool:
         seen = {}
         for scheduler in stack.live("scheduler"):
-            for w in (await async_scheduler_stats(scheduler.address)).workers:
+            for w in (await async_scheduler_stats(scheduler.address, tls=stack.tls)).workers:
                 if w.connected:
                     seen[w.address] = w
         return set(seen) == live_workers and all(w.all_free for w in seen.values())

@@ -1,6 +1,6 @@
 """The pieces under the gateway's and the internal servers' guards, without a stack: the key
 store (digests, file format, reload, fail-closed start-up), Bearer parsing, secrets kept out of
---help and logs, JSON log lines."""
+--help and logs, JSON log lines, how start-up lines name a link's protection."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 
 from servicekit.auth import ConcurrencyLimits, KeyStore, bearer_token, key_digest
 from servicekit.contract.errors import ResourceExhaustedError, UnauthenticatedError
+from servicekit.tls import TlsFiles
+from servicekit.tls import describe as describe_link
 
 
 def test_keys_are_checked_by_digest_and_a_file_may_hold_digests(tmp_path):
@@ -72,6 +74,14 @@ def test_a_secret_store_takes_the_token_literally():
     store = KeyStore.for_secret(token)
     assert store.check(f"Bearer {token}")
     assert not KeyStore.for_secret("").enabled
+
+
+def test_start_up_lines_say_how_a_link_is_protected():
+    assert describe_link(None) == describe_link(TlsFiles()) == "plaintext"
+    assert describe_link(TlsFiles(), token=True) == "plaintext + internal token"
+    assert describe_link(TlsFiles("c.pem", "k.pem")) == "TLS"  # a server without client certificates
+    assert describe_link(TlsFiles(ca_file="ca.pem")) == "TLS"  # a client that only verifies its server
+    assert describe_link(TlsFiles("c.pem", "k.pem", "ca.pem")) == "mutual TLS"
 
 
 def test_bearer_token_parsing():
