@@ -6,6 +6,8 @@ process on the same requests.
         --range-ratio 0.5 --torch-threads 2 --rounds 3     # issue 15's served-vs-in-process check
     (add --stream-interval 4: the scheduler publishes a request's tokens four at a time)
     python benchmarks/serve.py --address 127.0.0.1:50051 --request-rate 8
+    python benchmarks/serve.py --start-stack --llm ... --num-layers 5    # the same on a 2-core AVX2 host
+        at the AMX host's step time (benchmarks/truncated_model.py)
     python benchmarks/serve.py --start-stack --backend both     # gRPC SDK vs OpenAI HTTP API
     python benchmarks/serve.py --http-url http://127.0.0.1:8000/v1 --backend openai
 
@@ -334,12 +336,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the runs this many times, alternating stack and --llm on fresh prompts "
                              "(the machine's speed drifts between runs: the median pair compares fairly)")
+    parser.add_argument("--num-layers", type=int, default=0,
+                        help="with --start-stack: serve (and load in process) only the model's first N decoder layers, "
+                             "for a fast CPU's step time on a slow one (0: the whole model)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = parser.parse_args(argv)
 
     from servicekit.model_registry import resolve_model
 
+    if args.num_layers:
+        if not args.start_stack:
+            parser.error("--num-layers cuts the model of the stack this script starts (--start-stack)")
+        import atexit
+        import shutil
+        import tempfile
+
+        from truncated_model import first_layers
+
+        folder = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        name = f"{Path(args.model).name}-{args.num_layers}-layers"
+        args.model = first_layers(args.model, args.num_layers, folder / name)
+        print(f"model: {args.model}", flush=True)
     if args.torch_threads:  # the stack's processes inherit it; the in-process engine is set below
         os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
     if args.stream_interval:
