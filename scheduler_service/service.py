@@ -144,10 +144,10 @@ class SchedulerApp:
             asyncio.create_task(self._keep_pending(), name="pending-keeper"),
         ]
         token = bool(s.internal_token)
-        log.info("scheduler %s on %s:%d (%s), workers: %s (%s); takes over requests idle for %.1fs, at most %d "
-                 "times", s.consumer, s.host, self.port, describe_link(s.tls if s.tls_cert_file else None, token=token),
-                 ", ".join(s.workers) or "from the Redis registry", describe_link(s.tls, token=token),
-                 s.reclaim_idle_s, s.max_retries)
+        served = describe_link(s.tls if s.tls_cert_file else None, token=token)  # the admin server's side
+        log.info("scheduler %s on %s:%d (%s), workers: %s (%s); takes over requests idle for %.1fs, at most %d times",
+                 s.consumer, s.host, self.port, served, ", ".join(s.workers) or "from the Redis registry",
+                 describe_link(s.tls, token=token), s.reclaim_idle_s, s.max_retries)
 
     async def wait_for_workers(self, n: int = 1, timeout_s: float = 60.0) -> None:
         """Return once ``n`` workers are connected (tests and `pagedserve serve` use it)."""

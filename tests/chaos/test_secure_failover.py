@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 import pytest
+from security.conftest import pki  # noqa: F401  (fixture: the CA and certificates made at test time)
 
 from pagedserve import wire
 from pagedserve.local_cluster import LocalCluster
@@ -33,19 +34,13 @@ PROMPTS = [f"Secure stream {i}: the ferry crossed the bay at dawn" for i in rang
 
 
 @pytest.fixture(scope="module")
-def secure_cluster(tiny_model_dir, tmp_path_factory):
-    """2 workers + 2 schedulers + 2 gateways, one certificate (127.0.0.1) from a CA made here."""
-    trustme = pytest.importorskip("trustme")
-    folder = tmp_path_factory.mktemp("secure-chaos")
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    (folder / "cert.pem").write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
-    cert.private_key_pem.write_to_path(str(folder / "key.pem"))
-    (folder / "api-keys.txt").write_text("\n".join(KEYS.values()) + "\n")
-    tls = TlsFiles(str(folder / "cert.pem"), str(folder / "key.pem"), str(folder / "ca.pem"))
-    cluster = start_cluster(folder, tiny_model_dir, num_workers=2, num_schedulers=2, num_gateways=2, tls=tls,
-                            gateway_args=("--api-keys-file", str(folder / "api-keys.txt")))
+def secure_cluster(tiny_model_dir, tmp_path_factory, pki):  # noqa: F811
+    """2 workers + 2 schedulers + 2 gateways, all presenting the security tests' certificate for
+    127.0.0.1 (``pki.worker``: a server and client certificate of their CA)."""
+    keys_file = tmp_path_factory.mktemp("secure-chaos-keys") / "api-keys.txt"
+    keys_file.write_text("\n".join(KEYS.values()) + "\n")
+    cluster = start_cluster(tmp_path_factory.mktemp("secure-chaos"), tiny_model_dir, num_workers=2, num_schedulers=2,
+                            num_gateways=2, tls=pki.worker, gateway_args=("--api-keys-file", str(keys_file)))
     try:
         for proc in cluster.procs:  # each service's start-up line says how its links are protected
             assert proc.kind == "redis" or "mutual TLS" in proc.tail() or "TLS, 2 API keys" in proc.tail(), proc.name
