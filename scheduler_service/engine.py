@@ -36,7 +36,6 @@ from scheduler_service.redis_queue import RedisQueue
 from scheduler_service.stream_interval import StreamBatcher
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.prompt import length_error
 from servicekit.contract.step import EngineCoreOutput, FinishReason, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
 from servicekit.serving import cancel_requested
@@ -131,7 +130,7 @@ class WorkerEngine:
         return max(0, self._capacity - len(self._entry_ids))
 
     def fits(self, request: Request) -> bool:
-        return length_error(request.num_prompt_tokens, request.max_tokens, self.description.max_model_len) is None
+        return self.core.fits(request)
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._entry_ids

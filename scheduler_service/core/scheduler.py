@@ -18,6 +18,7 @@ from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.request_queue import create_request_queue
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.prompt import length_error
 from servicekit.contract.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -89,6 +90,21 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------------------
 
+    def fits(self, request: Request) -> bool:
+        """Whether ``request`` could ever run here: prompt + max_tokens within this worker's
+        ``max_model_len`` and its whole KV cache (workers may differ in both; routing sends a
+        request only where it fits, and :meth:`add_request` refuses one that does not)."""
+        return (length_error(request.num_prompt_tokens, request.max_tokens, self.max_model_len) is None
+                and self._kv_capacity_error(request) is None)
+
+    def _kv_capacity_error(self, request: Request) -> InvalidArgumentError | None:
+        max_total = request.num_prompt_tokens + request.max_tokens
+        kv = self.kv_cache_manager
+        if kv.get_num_blocks_needed(max_total) > kv.num_total_blocks:
+            return InvalidArgumentError("max_tokens", f"prompt + max_tokens ({max_total} tokens) needs more "
+                                                       f"KV blocks than the worker has ({kv.num_total_blocks})")
+        return None
+
     def add_request(self, request: Request) -> None:
         """Queue ``request`` (WAITING). Its prompt passed ``servicekit.contract.prompt.check_prompt``
         where it entered (the gateway, or ``pagedserve.LLM``): the core does not check it again.
@@ -102,11 +118,9 @@ class Scheduler:
             raise InvalidArgumentError("request_id", f"a request with id {rid!r} is already running")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"{rid}: only fresh requests can be added, got {request!r}")
-        max_total = request.num_prompt_tokens + request.max_tokens  # within max_model_len: checked at entry
-        kv = self.kv_cache_manager
-        if kv.get_num_blocks_needed(max_total) > kv.num_total_blocks:
-            raise InvalidArgumentError("max_tokens", f"prompt + max_tokens ({max_total} tokens) needs more "
-                                                      f"KV blocks than the worker has ({kv.num_total_blocks})")
+        too_big = self._kv_capacity_error(request)  # within max_model_len: checked at entry
+        if too_big is not None:
+            raise too_big
         if request.num_output_tokens >= request.max_tokens:
             raise InvalidArgumentError("max_tokens", f"the request already has {request.num_output_tokens} "
                                                       f"outputs (max_tokens {request.max_tokens})")

@@ -5,6 +5,7 @@ already delivered, the SDK's failover decisions, and the simulated runner's dete
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.leases import WorkerLeases
 from scheduler_service.redis_queue import RedisQueue
 from scheduler_service.routing import choose_engine
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import (
     EngineCoreOutput,
@@ -39,13 +41,14 @@ SHARED_PREFIX = list(range(100, 124))  # 6 full blocks of 4
 
 
 class FakeEngine:
-    def __init__(self, name: str, load: int = 0, max_num_seqs: int = 4) -> None:
+    def __init__(self, name: str, load: int = 0, max_num_seqs: int = 4, num_blocks: int = INFO.num_blocks) -> None:
         self.name = name
-        self.core = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), INFO)
+        info = dataclasses.replace(INFO, num_blocks=num_blocks)
+        self.core = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), info)
         self.load = load
 
     def fits(self, request: Request) -> bool:
-        return True
+        return self.core.fits(request)  # as WorkerEngine.fits
 
     def run_to_completion(self, request: Request) -> None:
         """Prefill + one sampled token: its full prompt blocks enter this engine's prefix cache."""
@@ -77,6 +80,20 @@ def test_a_hot_prefix_spills_over_once_its_worker_has_no_free_seat():
     warm.load = warm.core.config.max_num_seqs  # every batch seat taken
     engine, _hit = choose_engine(make_request("repeat", SHARED_PREFIX + [3]), [cold, warm])
     assert engine is cold
+
+
+def test_a_request_goes_only_to_a_worker_whose_kv_cache_can_hold_it():
+    """Workers may differ in KV-cache size: the least loaded one here cannot hold prompt +
+    max_tokens at all (its core would refuse the request), so it goes to the one that can."""
+    small, large = FakeEngine("small", load=0, num_blocks=4), FakeEngine("large", load=3)
+    request = Request("long", SHARED_PREFIX, SamplingParams(max_tokens=8, seed=1, ignore_eos=True))  # 8 blocks
+    assert not small.core.fits(request) and large.core.fits(request)
+    engine, _hit = choose_engine(request, [small, large])
+    assert engine is large
+    too_long = Request("too-long", SHARED_PREFIX, SamplingParams(max_tokens=INFO.max_model_len, seed=1))
+    assert not large.core.fits(too_long)  # past max_model_len on every worker
+    with pytest.raises(InvalidArgumentError, match="max_tokens: prompt \\+ max_tokens \\(32 tokens\\) needs more KV"):
+        small.core.add_request(request)
 
 
 # -- Redis-backed pieces -------------------------------------------------------------------------------
