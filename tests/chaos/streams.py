@@ -90,6 +90,14 @@ async def held_requests(stack: LocalCluster) -> dict[str, int]:
     return held
 
 
+async def busiest_worker(stack: LocalCluster):
+    """The live worker whose scheduler holds the most requests on it (it holds some)."""
+    held = await held_requests(stack)
+    victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
+    assert held.get(victim.address, 0) > 0
+    return victim
+
+
 async def driven_workers(stack: LocalCluster) -> dict[str, list[str]]:
     """Scheduler name -> addresses of the workers it drives (connected, not being handed over)."""
     driven = {}

@@ -21,7 +21,7 @@ from pagedserve.local_cluster import LocalCluster
 from servicekit.contract.sampling_params import SamplingParams
 
 from .conftest import start_gateway
-from .streams import StreamLog, assert_surviving_pools_all_free, held_requests
+from .streams import StreamLog, assert_surviving_pools_all_free, busiest_worker
 from .streams import assert_exactly_the_fault_free_outputs as assert_outputs
 from .streams import streams_with_a_fault as run_streams
 
@@ -51,9 +51,7 @@ async def test_kill_a_worker_mid_generation(chaos_stack: LocalCluster, expected)
     gateways = [g.address for g in stack.live("gateway")]
 
     async def kill_busiest_worker() -> None:
-        held = await held_requests(stack)
-        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
-        assert held.get(victim.address, 0) > 0
+        victim = await busiest_worker(stack)
         stack.kill(victim)
 
     logs = await streams_with_a_fault(gateways, kill_busiest_worker)
@@ -119,9 +117,7 @@ async def test_freeze_a_worker_mid_generation(chaos_stack: LocalCluster, expecte
     frozen = []
 
     async def freeze_busiest_worker() -> None:
-        held = await held_requests(stack)
-        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
-        assert held.get(victim.address, 0) > 0
+        victim = await busiest_worker(stack)
         os.killpg(victim.popen.pid, signal.SIGSTOP)
         frozen.append(victim)
 

@@ -20,6 +20,7 @@ from .conftest import start_worker, wait_for_async
 from .streams import (
     assert_exactly_the_fault_free_outputs,
     assert_surviving_pools_all_free,
+    busiest_worker,
     driven_workers,
     held_requests,
     streams_with_a_fault,
@@ -70,9 +71,7 @@ async def test_2_workers_2_schedulers_kill_one_worker(new_cluster, expected):
     await settle(stack, [1, 1])
 
     async def kill_busiest_worker() -> None:
-        held = await held_requests(stack)
-        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
-        assert held.get(victim.address, 0) > 0
+        victim = await busiest_worker(stack)
         stack.kill(victim)
 
     await run_and_check(stack, expected, kill_busiest_worker)
@@ -90,9 +89,7 @@ async def test_prompt_logprobs_arrive_once_across_a_worker_failover(new_cluster,
     await settle(stack, [2])
 
     async def kill_busiest_worker() -> None:
-        held = await held_requests(stack)
-        victim = max(stack.live("worker"), key=lambda w: held.get(w.address, 0))
-        assert held.get(victim.address, 0) > 0
+        victim = await busiest_worker(stack)
         stack.kill(victim)
 
     gateways = [g.address for g in stack.live("gateway")]
