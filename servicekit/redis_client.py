@@ -97,19 +97,52 @@ def uses_sentinel(settings: RedisSettings) -> bool:
     return bool(settings.redis_sentinels)
 
 
+def _fast_packing(connection_class: type) -> type:
+    """``connection_class`` packing commands with hiredis's C packer (as redis-py's synchronous
+    client does when hiredis is installed; its asyncio connections pack in Python). A step's publish
+    and a gateway's output read carry 130 arguments each: 170 µs of CPU packed in Python, 30 µs in
+    C, on the services that share the cores with the worker. Same bytes either way; other encodings
+    than utf-8 keep redis-py's packer."""
+    try:
+        import hiredis
+    except ImportError:
+        return connection_class
+    from redis.exceptions import DataError
+
+    class FastPacking(connection_class):
+        def pack_command(self, *args):
+            encoder = self.encoder
+            if encoder.encoding != "utf-8" or encoder.encoding_errors != "strict":
+                return super().pack_command(*args)
+            # Like redis-py: a command name with a space ("CONFIG GET") is several arguments.
+            if isinstance(args[0], str):
+                args = (*args[0].encode().split(), *args[1:])
+            elif b" " in args[0]:
+                args = (*args[0].split(), *args[1:])
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError as exc:  # redis-py's error for a value it cannot send (None, bool, ...)
+                raise DataError(f"Invalid input in {args[0]!r}: {exc}") from None
+
+    FastPacking.__name__ = FastPacking.__qualname__ = f"FastPacking{connection_class.__name__}"
+    return FastPacking
+
+
 def connect(settings: RedisSettings):
     """A ``redis.asyncio.Redis`` for the service's Redis: the one server of ``redis_url``, or the
     primary the Sentinels name; at most ``MAX_CONNECTIONS`` connections, a command waiting up to
     ``POOL_WAIT_S`` for a free one. Connects lazily (on the first command), so a Redis that is not up
     yet surfaces as a ``RedisError`` the caller retries, never here."""
     import redis.asyncio as aioredis
-    from redis.asyncio.connection import BlockingConnectionPool
+    from redis.asyncio.connection import BlockingConnectionPool, Connection, SSLConnection, parse_url
 
     pool_limits = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_WAIT_S}
     if not settings.redis_sentinels:
-        return aioredis.Redis.from_pool(BlockingConnectionPool.from_url(settings.redis_url, **pool_limits))
-    from redis.asyncio.connection import SSLConnection, parse_url
-    from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+        options = parse_url(settings.redis_url)  # what BlockingConnectionPool.from_url passes on
+        options["connection_class"] = _fast_packing(options.get("connection_class", Connection))
+        return aioredis.Redis.from_pool(BlockingConnectionPool(**options, **pool_limits))
+    from redis.asyncio.sentinel import (Sentinel, SentinelConnectionPool, SentinelManagedConnection,
+                                        SentinelManagedSSLConnection)
 
     class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
         """Sentinel's pool (connections go to the primary it names) that waits for a free
@@ -135,8 +168,10 @@ def connect(settings: RedisSettings):
             if owner:
                 await sentinel.aclose()
 
+    connection_class = _fast_packing(SentinelManagedSSLConnection if tls else SentinelManagedConnection)
     return sentinel.master_for(settings.redis_master_name, redis_class=SentinelRedis,
-                               connection_pool_class=BlockingSentinelPool, **pool_limits)
+                               connection_pool_class=BlockingSentinelPool, connection_class=connection_class,
+                               **pool_limits)
 
 
 # Error replies that mean "these credentials (or this ACL user) are not accepted".
