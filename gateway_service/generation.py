@@ -285,8 +285,11 @@ class GenerationService:
         self._enter()
         # A client that stops reading fills this call's buffer: the request is aborted at once (as
         # for a client gone); the call ends with RESOURCE_EXHAUSTED when, or if, its client reads on.
+        # The admitting call reads the request's records from the gateway's live stream (one read a
+        # step for all its requests); a resume reads the request's own stream, from its start.
         sub = self._fanout.subscribe(self._keys.output(request_id), max_pending=self._max_buffered,
-                                     on_overflow=lambda: self._on_slow_reader(request_id))
+                                     on_overflow=lambda: self._on_slow_reader(request_id),
+                                     live=inp.resume_from_index is None)
         admitted = False  # counted among the request's readers in Redis
         reading = None
         try:
@@ -299,7 +302,8 @@ class GenerationService:
                         priority=inp.priority, cache_salt=inp.cache_salt)
                     sent = time.perf_counter()
                     await self._landed(request_id, self._queue.admit(request_id, record, digests,
-                                                                     self._fanout.wake_key, owner))
+                                                                     self._fanout.wake_key, owner,
+                                                                     self._fanout.live_key))
                     if self._metrics is not None:
                         self._metrics.redis_admit.observe(time.perf_counter() - sent)
             except ResponseError as exc:  # Redis answered, and refused (out of memory, read-only replica)

@@ -1,5 +1,16 @@
-"""One blocking multi-key XREAD loop per gateway for the output streams of all its live requests,
-fanned out to per-request asyncio queues (DESIGN.md decision 10: no per-request connections).
+"""One blocking XREAD loop per gateway for the outputs of all its requests, fanned out to
+per-request asyncio queues (DESIGN.md decision 10: no per-request connections).
+
+Two ways in. Every reader can read its request's own output stream: the XREAD includes the key
+from the reader's last entry. The requests this gateway admitted are also *live*: with each
+step's records the schedulers append one entry to the gateway's live stream
+(``{prefix}gw:{gateway_id}:live``, named in the ``live`` field of the request entry), carrying each
+record's entry id in the request's own stream. Once a record of a live reader came that way, its
+key leaves the XREAD: the loop then reads one stream a step whatever the number of requests.
+Until then both ways deliver, each only entries after the reader's last one (a scheduler of an
+older version writes no live entries: its readers keep reading their own streams). Every other reader
+— a resume of a request admitted elsewhere (its gateway died), a second reader of a request —
+reads only its request's stream. The gateway trims its live stream as it reads it.
 
 A blocking XREAD only sees the keys it was called with, so adding a request wakes the loop by
 appending to the gateway's own small wake stream (``{prefix}gw:{gateway_id}:wake``), which every
@@ -27,6 +38,7 @@ log = logging.getLogger(__name__)
 
 WAKE_MAXLEN = 16
 WAKE_TTL_S = 300
+LIVE_TRIM_EVERY = 32  # reads of the live stream between two trims of what was read
 
 # KEYS: streams. ARGV: count, then one entry id per stream. A non-blocking XREAD of every stream
 # after its id, as one flat array: key, entry id, the entry's ``data`` field ("" if none), ...
@@ -74,10 +86,15 @@ class Subscription:
     more: ``overflowed`` is set, :class:`SlowReaderError` is queued and ``on_overflow`` called, so
     the call can be ended at once rather than when its client reads again."""
 
-    __slots__ = ("key", "last_id", "listener", "max_pending", "on_overflow", "overflowed", "pending", "queue")
+    __slots__ = ("key", "last_id", "listener", "live", "max_pending", "on_overflow", "overflowed", "pending",
+                 "queue", "last_live", "via_live")
 
-    def __init__(self, key: str, start_id: str = "0-0", *, max_pending: int = 0, on_overflow=None) -> None:
+    def __init__(self, key: str, start_id: str = "0-0", *, max_pending: int = 0, on_overflow=None,
+                 live: bool = False) -> None:
         self.key = key
+        self.live = live  # its records also come through the gateway's live stream
+        self.via_live = False  # one came that way: ``key`` is not read any more
+        self.last_live = False  # ``last_id`` came from the live stream (whose next entries are newer)
         self.last_id = start_id
         self.queue: asyncio.Queue[list[bytes] | BaseException] = asyncio.Queue()
         self.max_pending = max_pending
@@ -144,6 +161,7 @@ class OutputFanout:
         self._outage_s = outage_s  # failed reads for this long fail the subscriptions waiting
         self._count = count  # entries per stream per XREAD
         self.wake_key = keys.gateway_wake(gateway_id)
+        self.live_key = keys.gateway_live(gateway_id)
         self._subs: dict[bytes, list[Subscription]] = {}  # stream key -> its readers
         self._task: asyncio.Task | None = None
         self._read = redis.register_script(_READ_LUA)
@@ -154,15 +172,17 @@ class OutputFanout:
     async def stop(self) -> None:
         await cancel_and_wait([self._task])
         try:
-            await self._redis.delete(self.wake_key)
-        except RedisError as exc:  # Redis away as the gateway stops: the wake stream expires on its own
-            log.warning("could not delete %s (%s); it expires within %ds", self.wake_key, exc, WAKE_TTL_S)
+            await self._redis.delete(self.wake_key, self.live_key)
+        except RedisError as exc:  # Redis away as the gateway stops: both streams expire on their own
+            log.warning("could not delete %s and %s (%s); they expire on their own", self.wake_key, self.live_key, exc)
 
-    def subscribe(self, key: str, *, max_pending: int = 0, on_overflow=None) -> Subscription:
+    def subscribe(self, key: str, *, max_pending: int = 0, on_overflow=None, live: bool = False) -> Subscription:
         """Start delivering ``key``'s entries (from its beginning), at most ``max_pending`` waiting
-        (see :class:`Subscription`). The caller then writes to the wake stream (the admission and
-        join scripts of ``request_queue`` do) so a blocked XREAD restarts."""
-        sub = Subscription(key, max_pending=max_pending, on_overflow=on_overflow)
+        (see :class:`Subscription`). ``live``: the caller is admitting the request now with
+        ``live_key`` as its live stream, so its records also come that way. The caller then writes
+        to the wake stream (the admission and join scripts of ``request_queue`` do) so a blocked
+        XREAD restarts."""
+        sub = Subscription(key, max_pending=max_pending, on_overflow=on_overflow, live=live)
         self._subs.setdefault(key.encode(), []).append(sub)
         return sub
 
@@ -179,22 +199,31 @@ class OutputFanout:
         return [sub for readers in self._subs.values() for sub in readers]
 
     async def _run(self) -> None:
-        wake = self.wake_key.encode()
+        wake, live = self.wake_key.encode(), self.live_key.encode()
         wake_last: str | bytes = "0-0"
+        live_last: str | bytes = "0-0"
+        live_reads = 0
         loop = asyncio.get_running_loop()
         down_since: float | None = None
         while not cancel_requested():
-            streams: dict[bytes, str | bytes] = {wake: wake_last}
+            streams: dict[bytes, str | bytes] = {wake: wake_last, live: live_last}
             for key, readers in self._subs.items():
-                # From the reader furthest behind; the others skip what they already have.
-                streams[key] = readers[0].last_id if len(readers) == 1 else min(
-                    (sub.last_id for sub in readers), key=_entry_id)
+                # Each key read by a reader not fed by the live stream yet, from the one furthest
+                # behind; the others skip what they already have.
+                positions = [sub.last_id for sub in readers if not sub.via_live]
+                if positions:
+                    streams[key] = positions[0] if len(positions) == 1 else min(positions, key=_entry_id)
             try:
                 reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
-                reply = [(key, [(entry_id, fields.get(b"data", b"")) for entry_id, fields in entries])
-                         for key, entries in reply or ()]
-                if len(reply) == 1 and len(streams) > 2:
-                    reply += await self._rest_of_the_step(streams, reply[0])
+                live_entries = []
+                read = []
+                for key, entries in reply or ():
+                    if key == live:
+                        live_entries = entries
+                    else:
+                        read.append((key, [(entry_id, fields.get(b"data", b"")) for entry_id, fields in entries]))
+                if len(reply or ()) == 1 and len(streams) > 2:
+                    read += await self._rest_of_the_step(streams, (reply[0][0], reply[0][1]))
             except RedisError as exc:
                 now = loop.time()
                 if down_since is None:
@@ -210,12 +239,20 @@ class OutputFanout:
                 log.info("reading output streams again after %.1fs", loop.time() - down_since)
                 down_since = None
                 await self._fail_vanished()
-            for key, entries in reply:
+            if live_entries:
+                live_last = live_entries[-1][0]
+                self._deliver_live(live_entries)
+                live_reads += 1
+                if live_reads % LIVE_TRIM_EVERY == 0:
+                    await self._trim_live(live_last)
+            for key, entries in read:
                 if key == wake:
                     wake_last = entries[-1][0]
                     continue
                 asked = streams[key]  # the reply holds the entries after this one
                 for sub in self._subs.get(key, ()):  # none: a request that ended meanwhile
+                    if sub.via_live:
+                        continue  # the live stream brings these
                     if sub.last_id == asked:  # the reader the read was made for: all of them are new
                         new = entries
                     else:
@@ -228,16 +265,47 @@ class OutputFanout:
                         new = [(entry_id, data) for entry_id, data in entries if _entry_id(entry_id) > after]
                     if new:
                         sub.last_id = new[-1][0]
+                        sub.last_live = False
                         sub.deliver([data for _id, data in new])
 
+    def _deliver_live(self, entries: list) -> None:
+        """Hand the records of live-stream entries (fields ``"{output stream} {entry id}"`` -> the
+        record, in the order they were published) to the live readers of their streams: those
+        after the reader's last entry (until one came this way, its own stream was read too)."""
+        subs = self._subs
+        for _entry, fields in entries:
+            for name, data in fields.items():
+                key, _, entry_id = name.rpartition(b" ")
+                for sub in subs.get(key, ()):  # none: a request that ended, or is read by a resume here
+                    if not sub.live:
+                        continue
+                    sub.via_live = True
+                    if sub.last_live or _entry_id(entry_id) > _entry_id(sub.last_id):
+                        sub.last_id = entry_id
+                        sub.last_live = True
+                        sub.deliver([data])
+
+    async def _trim_live(self, read_up_to: str | bytes) -> None:
+        """Drop the live stream's entries before ``read_up_to`` (read already; nobody else reads it)."""
+        try:
+            await self._redis.xtrim(self.live_key, minid=read_up_to)
+        except RedisError as exc:  # the next trim takes them too
+            log.debug("trimming %s failed: %s", self.live_key, exc)
+
     async def _rest_of_the_step(self, streams: dict, first: tuple) -> list:
-        """What the streams other than ``first``'s hold now. Redis up to 7.0 answers a blocked
+        """What the output streams other than ``first``'s hold now. Redis up to 7.0 answers a blocked
         multi-key XREAD with the one stream whose entry woke it, though the scheduler's script
         appended one to every stream of the step at once: read the others at once (no wait, in one
         script: see ``_READ_LUA``), before delivering any, so a step's records reach the calls
-        together (one GenerateMany response per step, not two)."""
+        together (one GenerateMany response per step, not two). The live stream is left to the
+        next read (its entry, if the step made one, is returned at once)."""
         key, entries = first
-        rest = {**streams, key: entries[-1][0]}  # after what came
+        live = self.live_key.encode()
+        rest = {k: v for k, v in streams.items() if k != live}
+        if key != live:
+            rest[key] = entries[-1][0]  # after what came
+        if len(rest) <= 1:  # the wake stream alone
+            return []
         flat = await self._read(keys=list(rest), args=[self._count, *rest.values()])
         grouped: dict[bytes, list[tuple[bytes, bytes]]] = {}
         for i in range(0, len(flat), 3):

@@ -39,7 +39,8 @@ REPLICAS_RECHECK_S = 1.0
 # KEYS: requests stream, the request's output stream, the gateway's wake stream, readers counter
 # ARGV: group, max queued (0 = no limit), request id, EngineRequest bytes, output TTL seconds,
 #       wake stream max length, wake stream TTL seconds, prompt digest, params digest, owner (the
-#       digest of the API key that admitted it; "" without keys)
+#       digest of the API key that admitted it; "" without keys), the gateway's live stream (the
+#       request entry's ``live`` field: where schedulers also append its records; "" for none)
 # Returns 0 when admitted, -1 when the queue is full, -2 when the request id is in use.
 # Queue depth = entries not yet delivered to any scheduler: finished requests are deleted from the
 # stream, so XLEN minus the group's pending count is what waits.
@@ -53,7 +54,7 @@ end
 redis.call('XADD', KEYS[2], '*', 'data', '', 'prompt_digest', ARGV[8], 'params_digest', ARGV[9], 'owner', ARGV[10])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('SET', KEYS[4], 1, 'EX', ARGV[5])
-redis.call('XADD', KEYS[1], '*', 'request_id', ARGV[3], 'data', ARGV[4])
+redis.call('XADD', KEYS[1], '*', 'request_id', ARGV[3], 'data', ARGV[4], 'live', ARGV[11])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'w', '1')
 redis.call('EXPIRE', KEYS[3], ARGV[7])
 return 0
@@ -129,9 +130,10 @@ class RequestQueue:
         self._leave = redis.register_script(_LEAVE_LUA)
 
     async def admit(self, request_id: str, record: bytes, digests: RequestDigests, wake_key: str,
-                    owner: str = "") -> None:
+                    owner: str = "", live_key: str = "") -> None:
         """Enqueue one EngineRequest owned by the API key digest ``owner``, its caller being its
-        first reader. Raises
+        first reader; ``live_key``: the gateway's live stream, where schedulers also append the
+        request's records (``RedisKeys.gateway_live``; "" for none). Raises
         ResourceExhaustedError past the queue limit and AlreadyExistsError when the request id has
         an output stream already (nothing is written then). With replicas present and waiting on,
         returns once a replica holds the admission (or ``replica_wait_ms`` passed)."""
@@ -139,7 +141,7 @@ class RequestQueue:
         admission = {
             "keys": [keys.requests, keys.output(request_id), wake_key, keys.readers(request_id)],
             "args": [SCHEDULER_GROUP, self._max_queued, request_id, record, self._output_ttl_s, WAKE_MAXLEN, WAKE_TTL_S,
-                     digests.prompt, digests.params, owner]}
+                     digests.prompt, digests.params, owner, live_key]}
         if not await self._replicas_present():
             result = await self._admit(**admission)
         else:

@@ -77,24 +77,50 @@ return {r[1], entries, counts}
 """
 
 ENTRY_BATCH = 500  # entry ids per script call (Lua's unpack has a stack limit)
+LIVE_FIELDS_MAX = 1000  # fields of one live-stream entry at most (the same limit)
 
-# KEYS[1]: requests stream, KEYS[2..]: output streams. ARGV: group, TTL seconds, n, then n finished
-# entry ids, then one record per output stream (ARGV[3 + n + i] for KEYS[i + 1]).
+# KEYS[1]: requests stream, KEYS[2 .. 1 + m]: m gateways' live streams, then one output stream per
+# record. ARGV: group, TTL seconds, n, then n finished entry ids, then m, then m counts (the records
+# of each live stream, in order: the first count records go to the first live stream, and so on;
+# the records after them to none), then one record per output stream.
 # A step's outputs in one command: each record appended to its stream and the stream's TTL renewed,
-# then the finished requests' entries acknowledged and deleted. A script runs whole or not at all
-# (as MULTI/EXEC did), and packing one command costs a fraction of a pipeline of 2 per record.
+# each live stream given one entry with its records ("{output stream} {entry id}" -> record), then
+# the finished requests' entries acknowledged and deleted. A script runs whole or not at all (as
+# MULTI/EXEC did), and packing one command costs a fraction of a pipeline of 2 per record.
 _PUBLISH_LUA = f"""
 local n = tonumber(ARGV[3])
-for i = 2, #KEYS do
-  redis.call('XADD', KEYS[i], '*', 'data', ARGV[2 + n + i])
-  redis.call('EXPIRE', KEYS[i], ARGV[2])
+local m = tonumber(ARGV[4 + n])
+local first_record = 5 + n + m
+local k = 2 + m
+for g = 1, m + 1 do
+  local count = #KEYS - k + 1
+  if g <= m then count = tonumber(ARGV[4 + n + g]) end
+  local fields = {{}}
+  for _ = 1, count do
+    local data = ARGV[first_record + k - 2 - m]
+    local id = redis.call('XADD', KEYS[k], '*', 'data', data)
+    redis.call('EXPIRE', KEYS[k], ARGV[2])
+    if g <= m then
+      fields[#fields + 1] = KEYS[k] .. ' ' .. id
+      fields[#fields + 1] = data
+      if #fields >= {LIVE_FIELDS_MAX} then
+        redis.call('XADD', KEYS[1 + g], '*', unpack(fields))
+        fields = {{}}
+      end
+    end
+    k = k + 1
+  end
+  if #fields > 0 then
+    redis.call('XADD', KEYS[1 + g], '*', unpack(fields))
+  end
+  if g <= m then redis.call('EXPIRE', KEYS[1 + g], ARGV[2]) end
 end
 for first = 4, 3 + n, {ENTRY_BATCH} do
   local last = math.min(first + {ENTRY_BATCH - 1}, 3 + n)
   redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, last))
   redis.call('XDEL', KEYS[1], unpack(ARGV, first, last))
 end
-return #KEYS - 1
+return #KEYS - 1 - m
 """
 
 
@@ -103,6 +129,7 @@ class QueueEntry:
     entry_id: str  # the request stream entry, XACKed + deleted when the request finishes
     request_id: str
     data: bytes  # an EngineRequest
+    live: str = ""  # the admitting gateway's live stream ("" for none): its records go there too
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +147,8 @@ def _str(value) -> str:
 def _entry(entry_id, fields) -> QueueEntry:
     if isinstance(fields, list):  # a script's reply: flat [field, value, ...]
         fields = dict(zip(fields[::2], fields[1::2]))
-    return QueueEntry(_str(entry_id), _str(fields.get(b"request_id", b"")), fields.get(b"data", b""))
+    return QueueEntry(_str(entry_id), _str(fields.get(b"request_id", b"")), fields.get(b"data", b""),
+                      _str(fields.get(b"live", b"")))
 
 
 class RedisQueue:
@@ -134,6 +162,9 @@ class RedisQueue:
         self._claim = redis.register_script(_CLAIM_LUA)
         self._release = redis.register_script(_RELEASE_LUA)
         self._claim_cursor = "0-0"
+        # Request id -> the live stream of the gateway that admitted it, for the requests this
+        # scheduler holds (see ``keep_live``).
+        self.live: dict[str, str] = {}
 
     async def pull(self, count: int, block_ms: int) -> list[QueueEntry]:
         """Up to ``count`` requests never delivered to any scheduler, waiting at most ``block_ms``.
@@ -154,17 +185,38 @@ class RedisQueue:
                 entries.append(_entry(entry_id, fields))
         return entries
 
+    def keep_live(self, entry: QueueEntry) -> None:
+        """Remember where ``entry``'s records go besides its output stream (its gateway's live stream)."""
+        if entry.live:
+            self.live[entry.request_id] = entry.live
+
+    def forget_live(self, held: set[str]) -> None:
+        """Forget the live streams of requests no longer held (``held``: the request ids still are)."""
+        self.live = {rid: key for rid, key in self.live.items() if rid in held}
+
     async def publish(self, outputs: list[tuple[str, bytes]], finished_entry_ids: list[str]) -> None:
         """In one script: append each (request id, EngineOutput) to its output stream and renew
-        the stream's TTL; XACK and delete the request entries of finished requests. Atomic, so a
-        scheduler that dies mid-publish leaves either all of a step's records or none."""
+        the stream's TTL, and the records of each gateway's requests to its live stream as one
+        entry; XACK and delete the request entries of finished requests. Atomic, so a scheduler
+        that dies mid-publish leaves either all of a step's records or none."""
         if not outputs and not finished_entry_ids:
             return
         keys = self._keys
+        live = self.live
+        if live:
+            groups: dict[str, list[tuple[str, bytes]]] = {}
+            for record in outputs:
+                groups.setdefault(live.get(record[0], ""), []).append(record)
+            plain = groups.pop("", [])
+            live_keys = list(groups)
+            outputs = [record for records in groups.values() for record in records] + plain
+            counts = [len(records) for records in groups.values()]
+        else:
+            live_keys, counts = [], []
         await self._publish(
-            keys=[keys.requests, *(keys.output(request_id) for request_id, _data in outputs)],
+            keys=[keys.requests, *live_keys, *(keys.output(request_id) for request_id, _data in outputs)],
             args=[SCHEDULER_GROUP, self._output_ttl_s, len(finished_entry_ids), *finished_entry_ids,
-                  *(data for _request_id, data in outputs)])
+                  len(live_keys), *counts, *(data for _request_id, data in outputs)])
 
     # -- ownership of pending entries ---------------------------------------------------------------
 
@@ -212,26 +264,22 @@ class RedisQueue:
 
     async def finish_entries(self, outputs: list[tuple[str, bytes]], entries: list[ClaimedEntry | QueueEntry],
                              *, reason: str = "") -> None:
-        """Publish final records and ACK + delete the entries; with ``reason``, also copy each entry
-        to the dead-letter stream (a request given up after too many attempts)."""
-        pipe = self._redis.pipeline(transaction=True)
-        for request_id, data in outputs:
-            key = self._keys.output(request_id)
-            pipe.xadd(key, {"data": data})
-            pipe.expire(key, self._output_ttl_s)
-        ids = []
-        for item in entries:
-            entry = item.entry if isinstance(item, ClaimedEntry) else item
-            ids.append(entry.entry_id)
-            if reason:
+        """Publish final records (as :meth:`publish` does: to the live streams of their gateways
+        too) and ACK + delete the entries; with ``reason``, first copy each entry to the dead-letter
+        stream (a request given up after too many attempts). A scheduler that dies between the two
+        leaves the entry pending: the next takeover gives it up again (a second dead-letter copy)."""
+        plain = [item.entry if isinstance(item, ClaimedEntry) else item for item in entries]
+        if reason:
+            pipe = self._redis.pipeline(transaction=True)
+            for item, entry in zip(entries, plain):
                 pipe.xadd(self._keys.dead_letters, {
                     "request_id": entry.request_id, "data": entry.data, "reason": reason,
                     "deliveries": str(getattr(item, "deliveries", 1)), "consumer": self.consumer},
                     maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
-        if ids:
-            pipe.xack(self._keys.requests, SCHEDULER_GROUP, *ids)
-            pipe.xdel(self._keys.requests, *ids)
-        await pipe.execute()
+            await pipe.execute()
+        for entry in plain:
+            self.keep_live(entry)
+        await self.publish(outputs, [entry.entry_id for entry in plain])
 
     # -- aborts ---------------------------------------------------------------------------------------
 

@@ -230,6 +230,7 @@ class SchedulerApp:
 
     async def _admit(self, entry: QueueEntry, now: float, delivered: list[int] | None = None) -> None:
         """Place one request entry (new, or taken over with ``delivered`` outputs)."""
+        self.queue.keep_live(entry)  # its records, a refusal's included, also go to its gateway's live stream
         try:
             queued = convert.queued_request_from_record(entry.data, output_token_ids=delivered or ())
         except (InvalidArgumentError, DecodeError) as exc:
@@ -315,6 +316,7 @@ class SchedulerApp:
             await asyncio.sleep(s.reclaim_interval_s)
             try:
                 await self._refresh_pending()
+                self.queue.forget_live({rid for rid, _engine in self._held_entries().values()})
                 if not self._draining and self.pool.room > 0:
                     await self._reclaim()
             except RedisError as exc:

@@ -70,6 +70,13 @@ class RedisKeys:
         """A gateway's own small stream, written to interrupt its blocking XREAD when it adds a key."""
         return f"{self.prefix}gw:{gateway_id}:wake"
 
+    def gateway_live(self, gateway_id: str) -> str:
+        """A gateway's live stream: with each step's records for the requests it admitted, the
+        schedulers append one entry here (fields ``"{output stream} {entry id}"`` -> the record), so
+        the gateway reads one stream per step however many requests it streams. Trimmed by the
+        gateway as it reads; expires after its last entry."""
+        return f"{self.prefix}gw:{gateway_id}:live"
+
 
 async def ensure_request_group(redis, keys: RedisKeys) -> None:
     """Create the request stream and its consumer group if missing (idempotent; gateways and
