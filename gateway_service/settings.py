@@ -58,7 +58,8 @@ class GatewaySettings:
              "replicas, so a failover loses no admitted request: on, off, or auto (on with --redis-sentinels)")
     replica_wait_ms: int = setting(1000, help="longest wait for a replica's acknowledgement; past it the request "
                                               "is admitted anyway and a warning logged")
-    gateway_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="names this gateway's wake stream")
+    gateway_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12],
+                              help="names this gateway's wake and live streams in Redis")
     drain_grace_s: float = drain_grace_setting()
     # The most UTF-8 bytes one token covers, as far as sizing goes: 16 leaves room for long tokens
     # (runs of spaces in code); English averages ~4 bytes per token.
