@@ -223,7 +223,7 @@ class OutputFanout:
                     else:
                         read.append((key, [(entry_id, fields.get(b"data", b"")) for entry_id, fields in entries]))
                 if len(reply or ()) == 1 and len(streams) > 2:
-                    read += await self._rest_of_the_step(streams, (reply[0][0], reply[0][1]))
+                    read += await self._rest_of_the_step(streams, reply[0])
             except RedisError as exc:
                 now = loop.time()
                 if down_since is None:
