@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from scheduler_service.core.config import MIN_PREFILL_CHUNK_TOKENS, SchedulerConfig
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.request_queue import create_request_queue
+from scheduler_service.core.waiting_queue import create_waiting_queue
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
 from servicekit.contract.step import (
@@ -81,7 +81,7 @@ class Scheduler:
         self.max_model_len = worker.max_model_len  # prompt + outputs at most
         self.kv_cache_manager = KVCacheManager(worker.num_blocks, worker.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
-        self.waiting = create_request_queue(config.policy)  # WAITING and PREEMPTED requests
+        self.waiting = create_waiting_queue(config.policy)  # WAITING and PREEMPTED requests
         self.running: list[Request] = []  # RUNNING requests, in admission order
         self.finished_req_ids: set[str] = set()  # finished/aborted since the last schedule()
         self.num_preemptions = 0  # preemptions since start

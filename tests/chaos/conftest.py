@@ -3,8 +3,8 @@ redis-server with its append-only file on, with short fault-detection times (hea
 and the reclaim idle time of 2 s) so faults are handled within seconds. Processes are killed with
 SIGKILL: no drain, no goodbye.
 
-The tiny model, its tokenizer and the in-process reference engine are the service tests' fixtures
-(``tests/services/conftest.py``; ``tests/`` is on ``sys.path`` through the root conftest).
+The tiny model, its tokenizer and the in-process reference engine are the suite's shared fixtures
+(``tests/helpers/stack.py``, given to every folder by the root conftest).
 """
 
 from __future__ import annotations
@@ -12,19 +12,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from services.conftest import (  # noqa: F401  (fixtures re-exported for this folder)
-    DTYPE,
-    MAX_NUM_SEQS,
-    NUM_BLOCKS,
-    hf_model,
-    hf_tokenizer,
-    llm,
-    redis_server_binary,
-    tiny_model_dir,
-)
 
 from pagedserve.local_cluster import LocalCluster
 from servicekit.tls import TlsFiles
+
+from helpers.stack import DTYPE, MAX_NUM_SEQS, NUM_BLOCKS, redis_server_binary
 
 PREFIX = "chaos:"
 FAULT_TIMES = ["--lease-ttl-s", "2", "--reclaim-idle-s", "2", "--discovery-interval-s", "0.25"]

@@ -1,8 +1,8 @@
 """Security-test fixtures: certificates made at test time (trustme), and one stack whose internal
 links are mutual TLS (worker <- scheduler) and whose gateway speaks TLS and wants API keys.
 
-The tiny model, its tokenizer and redis-server are the service tests' fixtures
-(``tests/services/conftest.py``; ``tests/`` is on ``sys.path`` through the root conftest). The
+The tiny model, its tokenizer and redis-server are the suite's shared fixtures
+(``tests/helpers/stack.py``, given to every folder by the root conftest). The
 stack uses its own key prefix, so it never shares requests with another stack on that Redis.
 """
 
@@ -13,16 +13,10 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from services.conftest import (  # noqa: F401  (fixtures re-exported for this folder)
-    MAX_NUM_SEQS,
-    NUM_BLOCKS,
-    hf_model,
-    hf_tokenizer,
-    redis_server,
-    tiny_model_dir,
-)
 
 from servicekit.tls import TlsFiles
+
+from helpers.stack import MAX_NUM_SEQS, NUM_BLOCKS
 
 PREFIX = "sec:"
 KEYS = {"alice": "key-alice-0123456789", "bob": "key-bob-9876543210", "carol": "key-carol-revocable"}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from services.conftest import start_redis_server, stop_redis_server
-from services.test_compose import check_against_compose_spec
+from helpers.stack import start_redis_server, stop_redis_server
+from deploy.test_compose import check_against_compose_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SECURE = REPO / "compose.secure.yaml"

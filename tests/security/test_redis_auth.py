@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from services.conftest import start_redis_server, stop_redis_server
+from helpers.stack import start_redis_server, stop_redis_server
 
 from servicekit import redis_client
 from servicekit.redis_client import redacted

@@ -1,0 +1,53 @@
+"""The gateway's text pieces (``gateway_service.text``): the incremental detokenizer, the backend
+decode, and the stop-string matcher."""
+
+from __future__ import annotations
+
+from gateway_service.text import IncrementalDetokenizer, StopStringMatcher
+
+
+def test_detokenizer_never_emits_a_broken_character_and_joins_to_decode(hf_tokenizer):
+    text = "naïve café — 東京タワー 🚀 done"
+    ids = hf_tokenizer.encode(text)
+    prompt = hf_tokenizer.encode("Say:")
+    detok = IncrementalDetokenizer(hf_tokenizer, prompt)
+    pieces = [detok.add(t) for t in ids]
+    pieces.append(detok.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert any(p == "" for p in pieces)  # a multi-byte character spans tokens and was held back
+
+
+def test_the_backend_decode_gives_what_the_tokenizers_decode_gives(hf_tokenizer):
+    import random
+
+    from gateway_service.text import backend_decode
+
+    fast = backend_decode(hf_tokenizer)
+    assert fast is not None  # SmolLM2's tokenizer is a fast one without space clean-up
+    rng = random.Random(0)
+    specials = list(hf_tokenizer.all_special_ids)
+    for _ in range(300):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(hf_tokenizer))
+               for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
+
+    class Slow:  # a tokenizer that cleans up spaces (or has no backend) keeps its own decode
+        clean_up_tokenization_spaces = True
+        backend_tokenizer = hf_tokenizer.backend_tokenizer
+    assert backend_decode(Slow()) is None and backend_decode(object()) is None
+
+
+def test_stop_matcher_holds_back_possible_stop_prefixes():
+    m = StopStringMatcher(("STOP", "\n\n"))
+    assert m.feed("hello S") == ("hello ", None)
+    assert m.feed("T") == ("", None)
+    assert m.feed("x") == ("STx", None)  # not a stop after all: released
+    assert m.feed(" end\n") == (" end", None)
+    assert m.feed("\nmore") == ("", "\n\n")
+
+
+def test_stop_matcher_finds_the_earliest_stop_and_drops_the_rest():
+    m = StopStringMatcher(("world", "lo"))
+    assert m.feed("hello world") == ("hel", "lo")

@@ -1,0 +1,48 @@
+"""Waiting queues: FCFS and priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_service.core import FCFSWaitingQueue, PriorityWaitingQueue, create_waiting_queue
+
+from .helpers import make_request
+
+
+def test_fcfs_order_prepend_and_removal():
+    q = FCFSWaitingQueue()
+    a, b, c, d = (make_request(2) for _ in range(4))
+    for r in (a, b, c):
+        q.add(r)
+    q.prepend(d)
+    assert list(q) == [d, a, b, c] and q.peek() is d and len(q) == 4
+    q.remove(a)
+    q.remove_many([c, make_request(2)])
+    assert list(q) == [d, b]
+    assert q.pop() is d and q.pop() is b and not q
+    with pytest.raises(IndexError):
+        q.pop()
+
+
+def test_priority_order_is_priority_then_arrival_then_insertion():
+    q = PriorityWaitingQueue()
+    late_urgent = make_request(2, priority=0, arrival_time=9.0)
+    early_lazy = make_request(2, priority=3, arrival_time=0.0)
+    tie_first = make_request(2, priority=1, arrival_time=1.0)
+    tie_second = make_request(2, priority=1, arrival_time=1.0)
+    for r in (early_lazy, tie_first, late_urgent, tie_second):
+        q.add(r)
+    assert list(q) == [late_urgent, tie_first, tie_second, early_lazy]
+    assert q.peek() is late_urgent
+    q.remove(tie_first)
+    q.remove_many([early_lazy])
+    with pytest.raises(ValueError):
+        q.remove(early_lazy)
+    q.prepend(early_lazy)  # a preempted request goes back by its key
+    assert [q.pop() for _ in range(len(q))] == [late_urgent, tie_second, early_lazy]
+
+
+def test_unknown_policy():
+    assert isinstance(create_waiting_queue("fcfs"), FCFSWaitingQueue)
+    with pytest.raises(ValueError):
+        create_waiting_queue("lifo")
