@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway_service import convert
 from gateway_service.messages import GenerateChunk
 from gateway_service.text import OutputText
 from servicekit.contract.api import Usage
 from servicekit.contract.errors import error_for_code
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason
+from servicekit.proto.queue import output_record_from_bytes
 
 
 class ChunkAssembler:
@@ -46,7 +46,7 @@ class ChunkAssembler:
         text: list[str] = []
         finish: FinishReason | None = None
         for data in records:
-            record = convert.output_record_from_bytes(data)
+            record = output_record_from_bytes(data)
             if record.error_message:  # the scheduler refused or lost it, and says with which code
                 raise error_for_code(record.error_code, f"request {self._request_id}: {record.error_message}",
                                      field=record.error_field)

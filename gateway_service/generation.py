@@ -27,18 +27,19 @@ from contextlib import asynccontextmanager
 
 from redis.exceptions import RedisError, ResponseError
 
-from gateway_service import convert
 from gateway_service.chunks import ChunkAssembler
 from gateway_service.messages import GenerateChunk, GenerateInput
 from gateway_service.metrics import GatewayMetrics
 from gateway_service.model_limits import ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, SlowReaderError, Subscription
-from gateway_service.request_queue import RequestQueue
+from gateway_service.request_queue import RequestQueue, request_digests
 from gateway_service.text import PromptTokenizer
 from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, truncate_prompt
+from servicekit.contract.records import RequestRecord
+from servicekit.proto.queue import request_record_to_bytes
 from servicekit.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -277,7 +278,7 @@ class GenerationService:
             raise InvalidArgumentError("request_id", "required when resume_from_index is set")
         prompt_ids = await self._prompt_token_ids(inp, limits)
         params = inp.sampling_params
-        digests = convert.request_digests(prompt_ids, params)  # as given: a resume repeats the unseeded params
+        digests = request_digests(prompt_ids, params)  # as given: a resume repeats the unseeded params
         params = params.seeded(self._rng)  # decision 6: a seed at admission makes every replay identical
         request_id = inp.request_id or uuid.uuid4().hex  # 122 random bits: not guessable
         self._tokens_per_key.check(owner)
@@ -297,9 +298,9 @@ class GenerationService:
                 if inp.resume_from_index is not None:
                     await self._landed(request_id, self._queue.join(request_id, digests, self._fanout.wake_key, owner))
                 else:
-                    record = convert.engine_request_to_record(
+                    record = request_record_to_bytes(RequestRecord(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
-                        priority=inp.priority, cache_salt=inp.cache_salt)
+                        priority=inp.priority, cache_salt=inp.cache_salt))
                     sent = time.perf_counter()
                     await self._landed(request_id, self._queue.admit(request_id, record, digests,
                                                                      self._fanout.wake_key, owner,

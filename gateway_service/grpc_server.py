@@ -15,6 +15,7 @@ from gateway_service.multiplex import GenerateManyCall
 from gateway_service.settings import GatewaySettings
 from servicekit.auth import KeyStore
 from servicekit.grpc_auth import HEALTH_SERVICES, REFLECTION_SERVICES, BearerAuthInterceptor, caller_key_digest
+from servicekit.proto.generation import model_info_to_pb
 from servicekit.proto.pb import GENERATION_SERVICE, generation_pb2_grpc
 from servicekit.serving import ServerLifecycle
 
@@ -49,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return await asyncio.to_thread(convert.tokenize_response_to_pb, token_ids)
 
     async def ModelInfo(self, request, context):
-        return convert.model_info_to_pb(await self._service.served_limits(""))
+        return model_info_to_pb(await self._service.served_limits(""))
 
 
 def build_server(service: GenerationService, settings: GatewaySettings | None = None,

@@ -1,5 +1,6 @@
-"""The gateway's domain objects: what a Generate call asks for and what it streams back, and the
-scheduler's output records as the gateway reads them. Protobuf stays in ``convert.py``."""
+"""The gateway's domain objects: what a Generate call asks for and what it streams back (the
+scheduler's output records are the ground's: ``servicekit.contract.records``). Protobuf stays in
+``convert.py``."""
 
 from __future__ import annotations
 
@@ -52,20 +53,3 @@ class GenerateChunk:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # on the chunk with the first token when prompt_logprobs were asked for (gateway-internal)
     prompt_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class OutputRecord:
-    """One entry of a request's output stream (an EngineOutput). An empty record is the admission
-    marker the gateway writes first. Read, never changed (not frozen: one is made per record a
-    gateway reads, and a frozen dataclass's constructor costs twice as much)."""
-
-    token_ids: list[int]
-    first_index: int
-    logprobs: list[TokenLogprobs]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int
-    error_field: str = ""
-    error_message: str = ""
-    error_code: str | None = None  # set with error_message: the name of the status the client gets
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token, when asked for

@@ -20,12 +20,16 @@ not worth refusing work over, and a dead one is not promoted): it is counted in
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 
 from gateway_service.output_fanout import WAKE_MAXLEN, WAKE_TTL_S
 from servicekit.contract.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from servicekit.contract.sampling_params import SamplingParams
+from servicekit.proto.sampling import sampling_params_to_bytes
 from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
 
 log = logging.getLogger(__name__)
@@ -111,6 +115,13 @@ class RequestDigests:
 
     prompt: str
     params: str
+
+
+def request_digests(prompt_token_ids: list[int], params: SamplingParams) -> RequestDigests:
+    """Digests of what a resume must repeat; the params' deterministic wire form is hashed, so
+    equal parameters give equal digests on any gateway."""
+    prompt = hashlib.sha256(array("I", prompt_token_ids).tobytes()).hexdigest()[:32]
+    return RequestDigests(prompt=prompt, params=hashlib.sha256(sampling_params_to_bytes(params)).hexdigest()[:32])
 
 
 class RequestQueue:

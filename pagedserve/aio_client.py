@@ -41,6 +41,7 @@ from pagedserve.multiplex import GenerateManyPool, MultiplexedStream
 from servicekit.auth import bearer_metadata
 from servicekit.ports import GATEWAY_PORT
 from servicekit.proto.channel import CHANNEL_OPTIONS
+from servicekit.proto.generation import model_info_from_pb
 from servicekit.proto.pb import generation_pb2, generation_pb2_grpc
 from servicekit.tls import TlsFiles, aio_channel
 
@@ -189,7 +190,7 @@ class AsyncClient(GatewayClientBase):
         return list(reply.token_ids)
 
     async def model_info(self) -> ModelInfo:
-        return wire.model_info_from_pb(await self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
+        return model_info_from_pb(await self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     async def close(self) -> None:
         if self._pool is not None:

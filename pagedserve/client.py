@@ -21,6 +21,7 @@ from pagedserve.aio_client import GatewayClientBase
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient
+from servicekit.proto.generation import model_info_from_pb
 from servicekit.proto.pb import generation_pb2
 from servicekit.tls import sync_channel
 
@@ -101,7 +102,7 @@ class Client(GatewayClientBase):
         return list(self._unary("Tokenize", wire.build_tokenize_request(text, messages=messages)).token_ids)
 
     def model_info(self) -> ModelInfo:
-        return wire.model_info_from_pb(self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
+        return model_info_from_pb(self._unary("ModelInfo", generation_pb2.ModelInfoRequest()))
 
     def close(self) -> None:
         for channel in self._channels:

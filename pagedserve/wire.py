@@ -3,33 +3,14 @@ dataclasses (:mod:`pagedserve.client_types`). Only the SDK touches ``*_pb2`` on 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from pagedserve.client_types import Chunk, ModelInfo, Usage
-from servicekit.contract.chat import check_chat_message
+from pagedserve.client_types import Chunk
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import check_text, token_id_list
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.proto.convert import (
-    _SCALAR_FIELDS,
-    FINISH_REASON_FROM_PB,
-    logprobs_from_pb,
-    sampling_params_to_pb,
-)
+from servicekit.proto.generation import chat_to_pb, usage_from_pb
 from servicekit.proto.pb import generation_pb2, sampling_pb2
-
-
-def _add_chat(chat, messages) -> None:
-    """Append SDK ``messages`` (mappings with "role" and "content") to a Chat message."""
-    chat.SetInParent()  # an empty list is an empty chat (refused by the gateway), not no input
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise InvalidArgumentError(f"messages[{i}]", f"must be a mapping with role and content; got {type(m).__name__}")
-        check_chat_message(i, m.get("role"), m.get("content"))
-        chat.messages.add(role=m["role"], content=m["content"])
-
-
-_SAMPLING_KWARGS = frozenset(_SCALAR_FIELDS) | {"stop", "stop_token_ids", "logit_bias", "allowed_token_ids"}
+from servicekit.proto.sampling import FIELDS as SAMPLING_FIELDS
+from servicekit.proto.sampling import FINISH_REASON_FROM_PB, logprobs_from_pb, sampling_params_to_pb
 
 
 def build_generate_request(prompt=None, *, messages=None, sampling_params: SamplingParams | None = None,
@@ -41,7 +22,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     (``add_generation_prompt``, default true, and ``continue_final_message`` as in vLLM's chat).
     ``truncate_prompt_tokens``: keep the prompt's last N tokens (-1: the model's length).
     ``sampling``: SamplingParams fields by name (validated by the gateway, not here)."""
-    unknown = set(sampling) - _SAMPLING_KWARGS
+    unknown = set(sampling).difference(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))}")
     msg = generation_pb2.GenerateRequest()
@@ -53,7 +34,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     if messages is not None and prompt is not None:
         raise InvalidArgumentError("messages", "give a prompt or messages (a chat), not both")
     if messages is not None:
-        _add_chat(msg.chat, messages)
+        chat_to_pb(messages, msg.chat)
         if add_generation_prompt is not None:
             msg.chat.add_generation_prompt = add_generation_prompt
         msg.chat.continue_final_message = continue_final_message
@@ -105,8 +86,7 @@ def chunk_from_pb(msg):
         logprobs=tuple(logprobs_from_pb(msg.logprobs)) if msg.logprobs else (),
         finish_reason=None if msg.finish_reason == sampling_pb2.FINISH_REASON_UNSPECIFIED
         else str(FINISH_REASON_FROM_PB[msg.finish_reason]),
-        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
-        if msg.HasField("usage") else None,
+        usage=usage_from_pb(msg.usage) if msg.HasField("usage") else None,
         stop_string=msg.stop_string, stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         prompt_logprobs=tuple(logprobs_from_pb(msg.prompt_logprobs)) if msg.prompt_logprobs else ())
 
@@ -116,12 +96,7 @@ def build_tokenize_request(text=None, *, messages=None, model: str = ""):
     if messages is not None and text is not None:
         raise InvalidArgumentError("messages", "give text or messages (a chat), not both")
     if messages is not None:
-        _add_chat(msg.chat, messages)
+        chat_to_pb(messages, msg.chat)
     else:
         msg.text = text or ""
     return msg
-
-
-def model_info_from_pb(msg):
-    return ModelInfo(model=msg.model, max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
-                     eos_token_ids=tuple(msg.eos_token_ids), num_workers=msg.num_workers, block_size=msg.block_size)

@@ -29,15 +29,16 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from scheduler_service import convert
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.redis_queue import RedisQueue
 from scheduler_service.stream_interval import StreamBatcher
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.records import OutputRecord
 from servicekit.contract.step import EngineCoreOutput, FinishReason, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
+from servicekit.proto.queue import engine_output_to_bytes, output_record_to_bytes
 from servicekit.serving import cancel_requested
 
 log = logging.getLogger(__name__)
@@ -335,7 +336,7 @@ class WorkerEngine:
         held = self._entry_ids
         if errors:  # a failing request's held tokens go out before its error record
             outputs = [*outputs, *self._batcher.flush(rid for rid, _field, _message in errors)]
-        records = [(o.request_id, convert.engine_output_to_record(o)) for o in outputs if o.request_id in held]
+        records = [(o.request_id, engine_output_to_bytes(o)) for o in outputs if o.request_id in held]
         finished_entries = []
         num_aborted = 0
         for o in outputs:
@@ -344,7 +345,7 @@ class WorkerEngine:
                 num_aborted += o.finish_reason is FinishReason.ABORT
         for rid, field, message in errors:
             if rid in held:
-                records.append((rid, convert.error_record(field, message)))
+                records.append((rid, output_record_to_bytes(OutputRecord.error(field, message))))
                 finished_entries.append(held.pop(rid))
                 num_aborted += 1
         if self._publishing is not None:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
-from scheduler_service import convert
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
@@ -41,7 +40,9 @@ from scheduler_service.settings import SchedulerSettings
 from scheduler_service.workers import WorkerPool
 from servicekit import redis_client
 from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
+from servicekit.contract.records import OutputRecord, delivered_outputs
 from servicekit.metrics import MetricsPort
+from servicekit.proto.queue import output_record_from_bytes, output_record_to_bytes, request_record_from_bytes
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
 from servicekit.tls import describe as describe_link
@@ -232,13 +233,16 @@ class SchedulerApp:
         """Place one request entry (new, or taken over with ``delivered`` outputs)."""
         self.queue.keep_live(entry)  # its records, a refusal's included, also go to its gateway's live stream
         try:
-            queued = convert.queued_request_from_record(entry.data, output_token_ids=delivered or ())
+            record = request_record_from_bytes(entry.data)
+            request = Request(record.request_id, record.prompt_token_ids, record.sampling_params,
+                              arrival_time=record.arrival_time, priority=record.priority,
+                              cache_salt=record.cache_salt or None, output_token_ids=delivered or ())
         except (InvalidArgumentError, DecodeError) as exc:
             field = getattr(exc, "field", "")
             log.warning("refusing malformed request %s: %s", entry.request_id, exc)
             await self._finish_unstarted(entry.entry_id, entry.request_id, field, str(exc))
             return
-        rid = queued.request.request_id
+        rid = request.request_id
         if self._holds(rid):
             # Delivered to us again: after a Redis failover the group's delivery cursor can be older
             # than what we pulled (the promoted replica lacked the last deliveries). Ours already.
@@ -247,14 +251,14 @@ class SchedulerApp:
         if self._recent_aborts.pop(rid, None) is not None:
             await self._finish_unstarted(entry.entry_id, rid, "", "aborted before it was scheduled")
             return
-        if queued.deadline and queued.deadline < now:
+        if record.deadline and record.deadline < now:
             await self._finish_unstarted(entry.entry_id, rid, "", "deadline passed before it was scheduled",
                                          code=DeadlineExceededError.code)
             return
         if delivered is not None:
-            self._backlog.appendleft((queued.request, entry.entry_id))  # older than anything new
+            self._backlog.appendleft((request, entry.entry_id))  # older than anything new
         else:
-            self._backlog.append((queued.request, entry.entry_id))
+            self._backlog.append((request, entry.entry_id))
         self._route_backlog()
 
     def _holds(self, request_id: str) -> bool:
@@ -290,7 +294,8 @@ class SchedulerApp:
                                 code: str | None = None) -> None:
         """Publish a final ABORT record (its client gets ``code``) for a request never handed to a
         worker, and ACK it."""
-        records = [(request_id, convert.error_record(field, message, code))] if request_id else []
+        record = output_record_to_bytes(OutputRecord.error(field, message, code))
+        records = [(request_id, record)] if request_id else []
         try:
             await self.queue.publish(records, [entry_id])
         except RedisError as exc:  # still pending and ours: taken over (and refused again) later
@@ -385,7 +390,7 @@ class SchedulerApp:
                 log.info("request %s taken over, but its output stream expired: dropped", c.entry.request_id)
                 done.append(c)
                 continue
-            delivered, finished = convert.delivered_outputs(records)
+            delivered, finished = delivered_outputs([output_record_from_bytes(data) for data in records])
             if finished:
                 done.append(c)  # its scheduler died between publishing the end and the ACK
                 continue
@@ -397,8 +402,8 @@ class SchedulerApp:
 
     async def _dead_letter(self, entries: list[ClaimedEntry]) -> None:
         reason = f"given up after {self.settings.max_retries} takeovers"
-        records = [(c.entry.request_id, convert.error_record("", f"request failed: {reason}"))
-                   for c in entries if c.entry.request_id]
+        record = output_record_to_bytes(OutputRecord.error("", f"request failed: {reason}"))
+        records = [(c.entry.request_id, record) for c in entries if c.entry.request_id]
         await self.queue.finish_entries(records, entries, reason=reason)
         for c in entries:
             log.error("request %s %s (delivered %d times): moved to %s", c.entry.request_id, reason,

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_service import convert
 from servicekit.auth import bearer_metadata
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
+from servicekit.proto import step
 from servicekit.proto.channel import CHANNEL_OPTIONS
 from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.tls import TlsFiles, aio_channel
@@ -47,7 +47,7 @@ class WorkerClient:
         # Not wait_for_ready: a dead address (a registry entry not expired yet) fails at once
         # instead of holding a claim attempt for the whole timeout; the supervisor retries.
         msg = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, metadata=self._metadata)
-        return convert.worker_description_from_pb(msg)
+        return step.worker_description_from_pb(msg)
 
     async def reset(self, timeout_s: float = 30.0) -> int:
         reply = await self._stub.Reset(worker_pb2.ResetRequest(), timeout=timeout_s, metadata=self._metadata)
@@ -69,7 +69,7 @@ class WorkerClient:
         call = self._current_call()
         self._step_id += 1
         try:
-            await call.write(convert.scheduler_output_to_pb(scheduler_output, self._step_id))
+            await call.write(step.scheduler_output_to_pb(scheduler_output, self._step_id))
         except grpc.aio.AioRpcError as exc:
             raise WorkerLostError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
         except asyncio.InvalidStateError:
@@ -99,7 +99,7 @@ class WorkerClient:
         expected = self._in_flight.popleft()
         if reply.step_id != expected:
             raise WorkerLostError(f"worker {self.address}: answer for step {reply.step_id}, expected {expected}")
-        return convert.runner_output_from_pb(reply)
+        return step.runner_output_from_pb(reply)
 
     def _current_call(self):
         if self._call is None:

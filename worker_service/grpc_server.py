@@ -19,9 +19,9 @@ from servicekit.contract.errors import FailedPreconditionError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput
 from servicekit.contract.worker import WorkerDescription
 from servicekit.grpc_auth import internal_interceptors
+from servicekit.proto import step
 from servicekit.proto.pb import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from servicekit.serving import ServerLifecycle
-from worker_service import convert
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # -- rpcs -----------------------------------------------------------------------------------------
 
     async def Describe(self, request, context):
-        return convert.describe_to_pb(replace(
+        return step.worker_description_to_pb(replace(
             self._info, worker_id=self._worker_id, max_num_seqs=self._max_num_seqs,
             max_num_batched_tokens=self._max_num_batched_tokens))
 
@@ -98,7 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     raise item
                 step_id, future = item
                 output, seconds = await asyncio.wrap_future(future)
-                yield convert.runner_output_to_pb(step_id, output, seconds)
+                yield step.runner_output_to_pb(output, step_id, seconds)
         except Exception:
             if not self.stopping:
                 raise
@@ -122,7 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         closed its side) or the error that ended the reading."""
         try:
             async for msg in request_iterator:
-                scheduler_output = convert.scheduler_output_from_pb(msg)
+                scheduler_output = step.scheduler_output_from_pb(msg)
                 self._track_live(scheduler_output)
                 future = self._executor.submit(self._run_step, scheduler_output, stream)
                 stream.steps.put_nowait((msg.step_id, future))

@@ -1,6 +1,7 @@
-"""Protobuf <-> dataclass conversions for the messages every service shares (sampling.proto).
-
-Each service's own ``convert.py`` builds on these; nothing else touches ``*_pb2`` (STYLE.md 5).
+"""The shared messages of sampling.proto as to/from pairs: SamplingParams, FinishReason,
+TokenLogprobs. Every other protocol module (``step``, ``queue``, ``generation``) and the SDK build
+on these; nothing outside ``servicekit.proto``, the services' ``grpc_server.py`` / ``convert.py`` and
+the SDK's wire layer touches ``*_pb2`` (STYLE.md 5).
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason, TokenLogprobs
 from servicekit.proto.pb import sampling_pb2
 
-_SCALAR_FIELDS = (
+# The SamplingParams fields the wire carries as optional scalars (unset: the dataclass default),
+# and every field it carries (the SDK takes these as keyword arguments).
+SCALAR_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
 )
+FIELDS = (*SCALAR_FIELDS, "stop", "stop_token_ids", "logit_bias", "allowed_token_ids")
 
 FINISH_REASON_TO_PB = {
     None: sampling_pb2.FINISH_REASON_UNSPECIFIED,
@@ -27,7 +31,7 @@ def sampling_params_from_pb(msg: sampling_pb2.SamplingParams, *, trusted: bool =
     """Unset fields take SamplingParams' defaults. A client's message (``trusted=False``, the gateway)
     is validated: InvalidArgumentError names a bad field; a record an inner service decodes was
     validated where it entered and is taken as it is (``trusted=True``)."""
-    kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
+    kwargs = {name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)}
     make = SamplingParams.trusted if trusted else SamplingParams
     return make(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                 logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
@@ -37,7 +41,7 @@ def sampling_params_from_pb(msg: sampling_pb2.SamplingParams, *, trusted: bool =
 def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None
                           ) -> sampling_pb2.SamplingParams:
     msg = out if out is not None else sampling_pb2.SamplingParams()
-    for name in _SCALAR_FIELDS:
+    for name in SCALAR_FIELDS:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
@@ -58,3 +62,9 @@ def logprobs_to_pb(items: list[TokenLogprobs], out) -> None:
 
 def logprobs_from_pb(items) -> list[TokenLogprobs]:
     return [TokenLogprobs(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.rank) for m in items]
+
+
+def sampling_params_to_bytes(params: SamplingParams) -> bytes:
+    """``params``' deterministic wire form: equal parameters give equal bytes in any process (what
+    a gateway hashes to check a resume against its admission)."""
+    return sampling_params_to_pb(params).SerializeToString(deterministic=True)

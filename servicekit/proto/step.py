@@ -1,0 +1,105 @@
+"""The Step stream between a scheduler and a worker (worker.proto), as to/from pairs: the worker's
+description (Describe), the step's diff (StepRequest, ``SchedulerOutput``) and what the step
+produced (StepResponse, ``ModelRunnerOutput``). The scheduler writes what the worker reads and the
+other way round, so both services use this one module; a round-trip test keeps each pair inverse.
+
+The envelope fields (``step_id``, ``execute_seconds``) are set here and read by the caller from the
+message: they belong to the stream, not to the dataclasses.
+"""
+
+from __future__ import annotations
+
+from servicekit.contract.step import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from servicekit.contract.worker import WorkerDescription
+from servicekit.proto.pb import worker_pb2
+from servicekit.proto.sampling import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
+
+
+def worker_description_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
+    """The worker's Describe answer (its ``address`` is not on the wire: the caller dialled it)."""
+    return worker_pb2.DescribeResponse(
+        model=worker.model, num_blocks=worker.num_blocks, block_size=worker.block_size,
+        max_model_len=worker.max_model_len, vocab_size=worker.vocab_size,
+        eos_token_ids=list(worker.eos_token_ids), worker_id=worker.worker_id,
+        max_num_seqs=worker.max_num_seqs, max_num_batched_tokens=worker.max_num_batched_tokens,
+        prefill_chunk_attention_limit=worker.prefill_chunk_attention_limit)
+
+
+def worker_description_from_pb(msg: worker_pb2.DescribeResponse) -> WorkerDescription:
+    return WorkerDescription(
+        model=msg.model, num_blocks=msg.num_blocks, block_size=msg.block_size, max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size, eos_token_ids=tuple(msg.eos_token_ids), max_num_seqs=msg.max_num_seqs,
+        max_num_batched_tokens=msg.max_num_batched_tokens,
+        prefill_chunk_attention_limit=msg.prefill_chunk_attention_limit, worker_id=msg.worker_id)
+
+
+def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.StepRequest:
+    """The step's diff as the scheduler sends it; each request carries its ``num_scheduled_tokens``."""
+    msg = worker_pb2.StepRequest(
+        step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
+        finished_req_ids=so.finished_req_ids, preempted_req_ids=so.preempted_req_ids)
+    n = so.num_scheduled_tokens
+    for r in so.scheduled_new_reqs:
+        new = msg.scheduled_new_reqs.add(
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, output_token_ids=r.output_token_ids,
+            block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
+            num_scheduled_tokens=n[r.request_id])
+        sampling_params_to_pb(r.sampling_params, new.sampling_params)
+    for r in so.scheduled_cached_reqs:
+        msg.scheduled_cached_reqs.add(
+            request_id=r.request_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
+            num_scheduled_tokens=n[r.request_id])
+    return msg
+
+
+def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
+    """The step's diff as the model runner takes it (sampling parameters are trusted: validated at
+    the gateway)."""
+    num_scheduled: dict[str, int] = {}
+    new_reqs = []
+    for r in msg.scheduled_new_reqs:
+        new_reqs.append(NewRequestData(
+            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+            output_token_ids=list(r.output_token_ids),
+            sampling_params=sampling_params_from_pb(r.sampling_params, trusted=True),
+            block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens))
+        num_scheduled[r.request_id] = r.num_scheduled_tokens
+    cached_reqs = []
+    for r in msg.scheduled_cached_reqs:
+        cached_reqs.append(CachedRequestData(
+            request_id=r.request_id, new_block_ids=list(r.new_block_ids),
+            num_computed_tokens=r.num_computed_tokens))
+        num_scheduled[r.request_id] = r.num_scheduled_tokens
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+        num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
+        finished_req_ids=set(msg.finished_req_ids), preempted_req_ids=set(msg.preempted_req_ids))
+
+
+def runner_output_to_pb(output: ModelRunnerOutput, step_id: int, execute_seconds: float
+                        ) -> worker_pb2.StepResponse:
+    msg = worker_pb2.StepResponse(step_id=step_id, execute_seconds=execute_seconds)
+    logprobs = output.logprobs
+    for rid, token_ids in output.sampled_token_ids.items():
+        sampled = msg.outputs.add(request_id=rid, token_ids=token_ids)
+        if logprobs and rid in logprobs:
+            logprobs_to_pb(logprobs[rid], sampled.logprobs)
+    for rid, (first_index, items) in output.prompt_logprobs.items():
+        logprobs_to_pb(items, msg.prompt_logprobs.add(request_id=rid, first_index=first_index).logprobs)
+    return msg
+
+
+def runner_output_from_pb(msg: worker_pb2.StepResponse) -> ModelRunnerOutput:
+    sampled: dict[str, list[int]] = {}
+    logprobs = {}
+    for out in msg.outputs:
+        sampled[out.request_id] = list(out.token_ids)
+        if out.logprobs:
+            logprobs[out.request_id] = logprobs_from_pb(out.logprobs)
+    prompt = {p.request_id: (p.first_index, logprobs_from_pb(p.logprobs)) for p in msg.prompt_logprobs}
+    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt)
