@@ -1,6 +1,6 @@
 """The CPU path's C kernels alone, on realistic shapes (SmolLM2-135M: 9 query heads, 3 KV heads,
-head_dim 64, 30 layers, hidden 576), beside what they replace — the figures README's issue-15
-section quotes.
+head_dim 64, 30 layers, hidden 576), beside what they replace — the figures the README
+quotes.
 
 - ``decode``: ``kernels.cpu`` decode attention over a 30-layer bf16 cache of 4,369 blocks (as the
   offline benchmark allocates), 32 sequences of 350–650 tokens on shuffled blocks, one call per layer

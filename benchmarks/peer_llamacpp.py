@@ -2,7 +2,7 @@
 
 ``make peer-llamacpp`` builds the binary (``benchmarks/build_llamacpp.sh``); this module starts it on
 a free loopback port with the model's GGUF file, sends the benchmark's requests to ``/completion``
-all at once, and stops it. Settings for a fair peer (issue 15's notes):
+all at once, and stops it. Settings for a fair peer:
 
 - the same prompt token ids (a list of ints: the server adds no BOS to those) and exactly each
   request's output length (``n_predict``, ``ignore_eos``);

@@ -3,7 +3,7 @@ process on the same requests.
 
     python benchmarks/serve.py --start-stack --model smollm2-135m --num-requests 200 --llm
     python benchmarks/serve.py --start-stack --llm --num-requests 64 --input-len 256 --output-len 128 \
-        --range-ratio 0.5 --torch-threads 2 --rounds 3     # issue 15's served-vs-in-process check
+        --range-ratio 0.5 --torch-threads 2 --rounds 3     # the served-vs-in-process check
     (add --stream-interval 4: the scheduler publishes a request's tokens four at a time)
     python benchmarks/serve.py --address 127.0.0.1:50051 --request-rate 8
     python benchmarks/serve.py --start-stack --llm ... --num-layers 5    # the same on a 2-core AVX2 host

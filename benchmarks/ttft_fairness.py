@@ -1,4 +1,4 @@
-"""Time to first token of short requests while one long prompt prefills (issue 11, defect 10).
+"""Time to first token of short requests while one long prompt prefills.
 
 One process loads the model once (the in-process engine: ``pagedserve.LLM``'s scheduler and model
 runner, the same pair the scheduler service drives over gRPC) and runs phases, each with a fresh

@@ -1,7 +1,7 @@
 """What the gateway knows of the served model: read from the worker registry in Redis
 (``{prefix}workers:*``, written by each worker with a heartbeat) and refreshed in the background.
 
-Choice (documented in the issue): the gateway learns the model's name and limits from the workers'
+Choice: the gateway learns the model's name and limits from the workers'
 registry entries rather than from a flag, so they cannot disagree with what the workers run. Only
 workers of the gateway's own ``--model`` count (its tokenizer must match theirs). No such worker:
 Generate answers UNAVAILABLE.

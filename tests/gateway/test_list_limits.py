@@ -1,4 +1,4 @@
-"""Every list a client sends is bounded at the gateway (issue 11, defect 5): one over its limit is
+"""Every list a client sends is bounded at the gateway: one over its limit is
 INVALID_ARGUMENT naming the field, before anything is queued; one at its limit is served."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Careless and hostile requests at the gateway (issue 11, defects 4, 6, 7 and 8): huge text is
+"""Careless and hostile requests at the gateway: huge text is
 refused by its size and tokenized off the event loop, undecodable bytes and bad chat turns are
 INVALID_ARGUMENT naming the field, and a deadline that passes in the queue is DEADLINE_EXCEEDED.
 In-process stack, real Redis, real gRPC, the real tokenizer."""

@@ -1,4 +1,4 @@
-"""Several calls reading one request (issue 11, defects 2 and 3): a refused duplicate id leaves the
+"""Several calls reading one request: a refused duplicate id leaves the
 owner's stream alone, a resume must repeat the admitted input, and only the last reader to leave
 an unfinished request aborts it. In-process stack, real Redis, real gRPC."""
 

@@ -1,4 +1,4 @@
-"""Per-request sampling state is built once, when the worker takes the request (issue 11, defect 5):
+"""Per-request sampling state is built once, when the worker takes the request:
 a min_tokens request with a long stop list costs its steps a gather, not a rebuild and sort."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker.Reset is refused while a scheduler drives the worker (issue 11, defect 9): over real gRPC,
+"""Worker.Reset is refused while a scheduler drives the worker: over real gRPC,
 a Reset during an open Step stream is FAILED_PRECONDITION and the stream goes on undisturbed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A long prompt shares steps fairly (issue 11, defect 10).
+"""A long prompt shares steps fairly.
 
 Two caps keep every step short, so a newcomer's first token (and a decoding request's next token)
 never waits behind a long prefill for long:
