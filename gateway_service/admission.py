@@ -1,6 +1,7 @@
-"""The gateway's writes to Redis: admitting a request (queue-limit check, request entry, the
-output stream's first entry, and the fan-out wake-up, in one round trip), joining and leaving a
-request's readers (resumes are checked against what was admitted), and abort notices.
+"""The gateway's side of the Redis request stream (the scheduler's is ``scheduler_service.intake``):
+admitting a request (queue-limit check, request entry, the output stream's first entry, and the
+fan-out wake-up, in one round trip), joining and leaving a request's readers (resumes are checked
+against what was admitted), and abort notices.
 
 The output stream's first entry (the admission marker, empty ``data``) also keeps the digests of
 the admitted prompt tokens and sampling parameters and of the API key that admitted it (its
@@ -124,7 +125,7 @@ def request_digests(prompt_token_ids: list[int], params: SamplingParams) -> Requ
     return RequestDigests(prompt=prompt, params=hashlib.sha256(sampling_params_to_bytes(params)).hexdigest()[:32])
 
 
-class RequestQueue:
+class Admission:
     def __init__(self, redis, keys: RedisKeys, *, max_queued: int, output_ttl_s: int,
                  replica_wait_ms: int = 0) -> None:
         self._redis = redis

@@ -32,7 +32,7 @@ from gateway_service.messages import GenerateChunk, GenerateInput
 from gateway_service.metrics import GatewayMetrics
 from gateway_service.model_limits import ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, SlowReaderError, Subscription
-from gateway_service.request_queue import RequestQueue, request_digests
+from gateway_service.admission import Admission, request_digests
 from gateway_service.text import PromptTokenizer
 from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.api import ModelInfo
@@ -105,7 +105,7 @@ class GenerationService:
     """The gateway's logic, free of gRPC. ``in_flight`` counts live Generate streams."""
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
-                 queue: RequestQueue, fanout: OutputFanout, seed_rng: random.Random | None = None,
+                 admission: Admission, fanout: OutputFanout, seed_rng: random.Random | None = None,
                  prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
                  tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0,
                  metrics: GatewayMetrics | None = None) -> None:
@@ -118,7 +118,7 @@ class GenerationService:
         self._keys = keys
         self.tokenizer = tokenizer
         self._limits = limits
-        self._queue = queue
+        self._admission = admission
         self._fanout = fanout
         self._rng = seed_rng if seed_rng is not None else random.SystemRandom()
         self._background: set[asyncio.Task] = set()
@@ -296,13 +296,13 @@ class GenerationService:
         try:
             try:
                 if inp.resume_from_index is not None:
-                    await self._landed(request_id, self._queue.join(request_id, digests, self._fanout.wake_key, owner))
+                    await self._landed(request_id, self._admission.join(request_id, digests, self._fanout.wake_key, owner))
                 else:
                     record = request_record_to_bytes(RequestRecord(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
                         priority=inp.priority, cache_salt=inp.cache_salt))
                     sent = time.perf_counter()
-                    await self._landed(request_id, self._queue.admit(request_id, record, digests,
+                    await self._landed(request_id, self._admission.admit(request_id, record, digests,
                                                                      self._fanout.wake_key, owner,
                                                                      self._fanout.live_key))
                     if self._metrics is not None:
@@ -364,7 +364,7 @@ class GenerationService:
 
     async def _abort(self, request_id: str) -> None:
         try:
-            await self._queue.abort(request_id)
+            await self._admission.abort(request_id)
         except Exception as exc:  # Redis away: the scheduler finishes it at max_tokens anyway
             log.warning("could not publish abort of %s: %s", request_id, exc)
 
@@ -375,7 +375,7 @@ class GenerationService:
 
     async def _leave(self, request_id: str, *, abort: bool) -> None:
         try:
-            await self._queue.leave(request_id, abort=abort)
+            await self._admission.leave(request_id, abort=abort)
         except Exception as exc:  # Redis away: counted as a reader still, the request runs to its end
             log.warning("could not leave request %s: %s", request_id, exc)
 

@@ -49,7 +49,7 @@ class GatewayApp:
         from gateway_service.metrics import GatewayMetrics
         from gateway_service.model_limits import ModelLimitsView
         from gateway_service.output_fanout import OutputFanout
-        from gateway_service.request_queue import RequestQueue
+        from gateway_service.admission import Admission
         from gateway_service.text import PromptTokenizer, load_tokenizer
         from servicekit.redis_keys import RedisKeys, ensure_request_group
 
@@ -65,12 +65,12 @@ class GatewayApp:
         self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
         self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,
                                     outage_s=s.redis_outage_s)
-        queue = RequestQueue(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s,
-                             replica_wait_ms=s.admission_replica_wait_ms)
+        admission = Admission(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s,
+                              replica_wait_ms=s.admission_replica_wait_ms)
         registry = CollectorRegistry()
         metrics = GatewayMetrics(registry, s.model)
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
-                                         limits=self._limits, queue=queue, fanout=self._fanout,
+                                         limits=self._limits, admission=admission, fanout=self._fanout,
                                          prompt_bytes_per_token=s.prompt_bytes_per_token,
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),

@@ -180,7 +180,7 @@ class OutputFanout:
         """Start delivering ``key``'s entries (from its beginning), at most ``max_pending`` waiting
         (see :class:`Subscription`). ``live``: the caller is admitting the request now with
         ``live_key`` as its live stream, so its records also come that way. The caller then writes
-        to the wake stream (the admission and join scripts of ``request_queue`` do) so a blocked
+        to the wake stream (the admission and join scripts of ``gateway_service.admission`` do) so a blocked
         XREAD restarts."""
         sub = Subscription(key, max_pending=max_pending, on_overflow=on_overflow, live=live)
         self._subs.setdefault(key.encode(), []).append(sub)

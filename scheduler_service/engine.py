@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.redis_queue import RedisQueue
+from scheduler_service.intake import RequestIntake
 from scheduler_service.stream_interval import StreamBatcher
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
 from servicekit.contract.errors import InvalidArgumentError
@@ -77,7 +77,7 @@ class WorkerEngine:
     """
 
     def __init__(self, client: WorkerClient, description: WorkerDescription, core: Scheduler,
-                 queue: RedisQueue, *, max_queued: int, on_finished: Callable[[int, int], None],
+                 intake: RequestIntake, *, max_queued: int, on_finished: Callable[[int, int], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None,
                  on_queue_time: Callable[[str, float], None] | None = None, stream_interval: int = 1,
                  async_scheduling: bool = False) -> None:
@@ -89,7 +89,7 @@ class WorkerEngine:
         self.worker_id = description.worker_id
         self.description = description
         self.core = core
-        self._queue = queue
+        self._intake = intake
         self._on_finished = on_finished  # (num finished, num aborted) after each publish
         self._on_lost = on_lost  # (engine, [(request to resume, entry id)]) once the worker is lost
         self._capacity = core.config.max_num_seqs + max_queued  # requests held at most
@@ -359,7 +359,7 @@ class WorkerEngine:
         delay = 0.05
         while True:
             try:
-                await self._queue.publish(records, finished_entries)
+                await self._intake.publish(records, finished_entries)
                 break
             except RedisError as exc:
                 if cancel_requested():

@@ -1,8 +1,9 @@
-"""The scheduler's side of Redis: the request stream it consumes, the output streams it writes,
-the abort stream it follows, and the pending entries it keeps, reclaims or gives up. Transport
-only: records arrive and leave as bytes (``scheduler_service.convert`` encodes them).
+"""The scheduler's side of the Redis request stream (the gateway's is ``gateway_service.admission``):
+the requests it takes in, the output streams it writes, the abort stream it follows, and the
+pending entries it keeps, reclaims or gives up. Transport only: records arrive and leave as bytes
+(``servicekit.proto.queue`` encodes them).
 
-Backpressure stays in Redis (DESIGN.md): :meth:`RedisQueue.pull` is only called for as many
+Backpressure stays in Redis (DESIGN.md): :meth:`RequestIntake.pull` is only called for as many
 requests as the scheduler has room for; the rest wait in the stream, where gateways see the
 backlog and refuse new work with RESOURCE_EXHAUSTED past their limit.
 
@@ -125,7 +126,7 @@ return #KEYS - 1 - m
 
 
 @dataclass(frozen=True, slots=True)
-class QueueEntry:
+class RequestEntry:
     entry_id: str  # the request stream entry, XACKed + deleted when the request finishes
     request_id: str
     data: bytes  # an EngineRequest
@@ -136,7 +137,7 @@ class QueueEntry:
 class ClaimedEntry:
     """An entry taken over from an idle (dead) scheduler."""
 
-    entry: QueueEntry
+    entry: RequestEntry
     deliveries: int  # times the entry was handed to a scheduler, this takeover included
 
 
@@ -144,14 +145,14 @@ def _str(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _entry(entry_id, fields) -> QueueEntry:
+def _entry(entry_id, fields) -> RequestEntry:
     if isinstance(fields, list):  # a script's reply: flat [field, value, ...]
         fields = dict(zip(fields[::2], fields[1::2]))
-    return QueueEntry(_str(entry_id), _str(fields.get(b"request_id", b"")), fields.get(b"data", b""),
+    return RequestEntry(_str(entry_id), _str(fields.get(b"request_id", b"")), fields.get(b"data", b""),
                       _str(fields.get(b"live", b"")))
 
 
-class RedisQueue:
+class RequestIntake:
     def __init__(self, redis, keys: RedisKeys, consumer: str, *, output_ttl_s: int) -> None:
         self._redis = redis
         self._keys = keys
@@ -166,7 +167,7 @@ class RedisQueue:
         # scheduler holds (see ``keep_live``).
         self.live: dict[str, str] = {}
 
-    async def pull(self, count: int, block_ms: int) -> list[QueueEntry]:
+    async def pull(self, count: int, block_ms: int) -> list[RequestEntry]:
         """Up to ``count`` requests never delivered to any scheduler, waiting at most ``block_ms``.
         Recreates the consumer group if Redis lost it (a restart without persistence)."""
         try:
@@ -185,7 +186,7 @@ class RedisQueue:
                 entries.append(_entry(entry_id, fields))
         return entries
 
-    def keep_live(self, entry: QueueEntry) -> None:
+    def keep_live(self, entry: RequestEntry) -> None:
         """Remember where ``entry``'s records go besides its output stream (its gateway's live stream)."""
         if entry.live:
             self.live[entry.request_id] = entry.live
@@ -262,7 +263,7 @@ class RedisQueue:
         replies = await pipe.execute()
         return [[fields.get(b"data", b"") for _id, fields in items] if items else None for items in replies]
 
-    async def finish_entries(self, outputs: list[tuple[str, bytes]], entries: list[ClaimedEntry | QueueEntry],
+    async def finish_entries(self, outputs: list[tuple[str, bytes]], entries: list[ClaimedEntry | RequestEntry],
                              *, reason: str = "") -> None:
         """Publish final records (as :meth:`publish` does: to the live streams of their gateways
         too) and ACK + delete the entries; with ``reason``, first copy each entry to the dead-letter

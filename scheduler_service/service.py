@@ -33,8 +33,8 @@ from redis.exceptions import RedisError
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
+from scheduler_service.intake import ClaimedEntry, RequestEntry, RequestIntake
 from scheduler_service.metrics import SchedulerCollector, queue_time_histogram
-from scheduler_service.redis_queue import ClaimedEntry, QueueEntry, RedisQueue
 from scheduler_service.routing import choose_engine
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.workers import WorkerPool
@@ -88,7 +88,7 @@ class SchedulerApp:
         self.keys = RedisKeys(settings.key_prefix)
         self._redis = redis
         self._owns_redis = redis is None
-        self.queue: RedisQueue | None = None
+        self.intake: RequestIntake | None = None
         self.pool: WorkerPool | None = None
         self.lifecycle = None
         self._tasks: list[asyncio.Task] = []
@@ -124,7 +124,7 @@ class SchedulerApp:
             self._redis = redis_client.connect(s)
             await redis_client.check_credentials(self._redis, s)
         await ensure_request_group(self._redis, self.keys)
-        self.queue = RedisQueue(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
+        self.intake = RequestIntake(self._redis, self.keys, s.consumer, output_ttl_s=s.output_ttl_s)
         self.lifecycle = build_server(self)
         # The admin server uses the scheduler's certificate; with a CA, its clients need one too.
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls if s.tls_cert_file else None)
@@ -132,12 +132,12 @@ class SchedulerApp:
         self.lifecycle.registry.register(SchedulerCollector(self.stats))
         self.metrics = MetricsPort(self.lifecycle.registry, name="scheduler")
         self.metrics_port = await self.metrics.start(s.host, s.metrics_port)
-        self.pool = WorkerPool(s, self._redis, self.keys, self.queue, admin_address=f"{s.host}:{self.port}",
+        self.pool = WorkerPool(s, self._redis, self.keys, self.intake, admin_address=f"{s.host}:{self.port}",
                                on_change=self._on_pool_change, on_lost=self._resume_lost,
                                on_finished=self._count_finished, stranded=lambda: len(self._backlog),
                                on_starving=self._hand_back_backlog,
                                on_queue_time=queue_time_histogram(self.lifecycle.registry))
-        abort_cursor = await self.queue.last_abort_id()  # before intake: no abort slips between
+        abort_cursor = await self.intake.last_abort_id()  # before intake: no abort slips between
         await self.pool.start()
         self._tasks = [
             asyncio.create_task(self._follow_aborts(abort_cursor), name="aborts"),
@@ -172,7 +172,7 @@ class SchedulerApp:
         if leftover:
             try:
                 async with self._pending_lock:
-                    await self.queue.release(leftover, int(self.settings.reclaim_idle_s * 1000))
+                    await self.intake.release(leftover, int(self.settings.reclaim_idle_s * 1000))
                 log.info("handed %d unfinished requests to the other schedulers", len(leftover))
             except RedisError as exc:
                 log.warning("could not hand back %d requests (they are taken over once idle): %s",
@@ -220,7 +220,7 @@ class SchedulerApp:
                 self._route_backlog()
                 continue
             try:
-                entries = await self.queue.pull(min(room, 256), s.poll_block_ms)
+                entries = await self.intake.pull(min(room, 256), s.poll_block_ms)
             except RedisError as exc:
                 log.warning("pulling requests failed: %s", exc)
                 await asyncio.sleep(1.0)
@@ -229,9 +229,9 @@ class SchedulerApp:
             for entry in entries:
                 await self._admit(entry, now)
 
-    async def _admit(self, entry: QueueEntry, now: float, delivered: list[int] | None = None) -> None:
+    async def _admit(self, entry: RequestEntry, now: float, delivered: list[int] | None = None) -> None:
         """Place one request entry (new, or taken over with ``delivered`` outputs)."""
-        self.queue.keep_live(entry)  # its records, a refusal's included, also go to its gateway's live stream
+        self.intake.keep_live(entry)  # its records, a refusal's included, also go to its gateway's live stream
         try:
             record = request_record_from_bytes(entry.data)
             request = Request(record.request_id, record.prompt_token_ids, record.sampling_params,
@@ -297,7 +297,7 @@ class SchedulerApp:
         record = output_record_to_bytes(OutputRecord.error(field, message, code))
         records = [(request_id, record)] if request_id else []
         try:
-            await self.queue.publish(records, [entry_id])
+            await self.intake.publish(records, [entry_id])
         except RedisError as exc:  # still pending and ours: taken over (and refused again) later
             log.warning("could not refuse request %s: %s", request_id, exc)
             return
@@ -321,7 +321,7 @@ class SchedulerApp:
             await asyncio.sleep(s.reclaim_interval_s)
             try:
                 await self._refresh_pending()
-                self.queue.forget_live({rid for rid, _engine in self._held_entries().values()})
+                self.intake.forget_live({rid for rid, _engine in self._held_entries().values()})
                 if not self._draining and self.pool.room > 0:
                     await self._reclaim()
             except RedisError as exc:
@@ -334,7 +334,7 @@ class SchedulerApp:
             held = self._held_entries()
             if not held:
                 return
-            lost = await self.queue.refresh_pending(list(held))
+            lost = await self.intake.refresh_pending(list(held))
         for entry_id in lost:
             rid, engine = held[entry_id]
             if engine is not None:
@@ -360,7 +360,7 @@ class SchedulerApp:
         handed, self._backlog = self._backlog, collections.deque()
         async with self._pending_lock:
             try:
-                released = await self.queue.release([entry_id for _r, entry_id in handed],
+                released = await self.intake.release([entry_id for _r, entry_id in handed],
                                                     int(self.settings.reclaim_idle_s * 1000))
             except RedisError as exc:
                 log.warning("could not hand %d requests back to the group: %s", len(handed), exc)
@@ -371,7 +371,7 @@ class SchedulerApp:
 
     async def _reclaim(self) -> None:
         s = self.settings
-        claimed = await self.queue.claim_idle(int(s.reclaim_idle_s * 1000), min(self.pool.room, CLAIM_BATCH_MAX))
+        claimed = await self.intake.claim_idle(int(s.reclaim_idle_s * 1000), min(self.pool.room, CLAIM_BATCH_MAX))
         held = self._held_entries()
         claimed = [c for c in claimed if c.entry.entry_id not in held]  # ours already (a late refresh)
         if not claimed:
@@ -382,7 +382,7 @@ class SchedulerApp:
         if give_up:
             await self._dead_letter(give_up)
         taken = [c for c in claimed if c.deliveries <= limit]
-        outputs = await self.queue.read_outputs([c.entry.request_id for c in taken])
+        outputs = await self.intake.read_outputs([c.entry.request_id for c in taken])
         done: list[ClaimedEntry] = []
         now = time.time()
         for c, records in zip(taken, outputs):
@@ -398,13 +398,13 @@ class SchedulerApp:
                      c.entry.request_id, c.deliveries, len(delivered))
             await self._admit(c.entry, now, delivered)
         if done:
-            await self.queue.finish_entries([], done)
+            await self.intake.finish_entries([], done)
 
     async def _dead_letter(self, entries: list[ClaimedEntry]) -> None:
         reason = f"given up after {self.settings.max_retries} takeovers"
         record = output_record_to_bytes(OutputRecord.error("", f"request failed: {reason}"))
         records = [(c.entry.request_id, record) for c in entries if c.entry.request_id]
-        await self.queue.finish_entries(records, entries, reason=reason)
+        await self.intake.finish_entries(records, entries, reason=reason)
         for c in entries:
             log.error("request %s %s (delivered %d times): moved to %s", c.entry.request_id, reason,
                       c.deliveries, self.keys.dead_letters)
@@ -416,7 +416,7 @@ class SchedulerApp:
     async def _follow_aborts(self, cursor: str) -> None:
         while not cancel_requested():
             try:
-                ids, cursor = await self.queue.read_aborts(cursor, self.settings.poll_block_ms)
+                ids, cursor = await self.intake.read_aborts(cursor, self.settings.poll_block_ms)
             except RedisError as exc:
                 log.warning("reading aborts failed: %s", exc)
                 await asyncio.sleep(1.0)

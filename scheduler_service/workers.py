@@ -39,8 +39,8 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
+from scheduler_service.intake import RequestIntake
 from scheduler_service.leases import WorkerLeases
-from scheduler_service.redis_queue import RedisQueue
 from scheduler_service.settings import SchedulerSettings
 from scheduler_service.worker_client import LeaseRefusedError, WorkerLostError, connect
 from servicekit.contract.worker import WorkerDescription
@@ -82,7 +82,7 @@ class WorkerPool:
     that no engine takes.
     """
 
-    def __init__(self, settings: SchedulerSettings, redis, keys: RedisKeys, queue: RedisQueue, *,
+    def __init__(self, settings: SchedulerSettings, redis, keys: RedisKeys, intake: RequestIntake, *,
                  admin_address: str, on_change: Callable[[], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None],
                  on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0,
@@ -92,7 +92,7 @@ class WorkerPool:
         self._on_queue_time = on_queue_time
         self._redis = redis
         self._keys = keys
-        self._queue = queue
+        self._intake = intake
         self._on_change = on_change
         self._on_lost = on_lost
         self._on_finished = on_finished
@@ -364,7 +364,7 @@ class WorkerPool:
             await client.close()
             await self._release(description.worker_id)
             return
-        engine = WorkerEngine(client, description, core, self._queue,
+        engine = WorkerEngine(client, description, core, self._intake,
                               max_queued=s.max_queued_per_worker or config.max_num_seqs,
                               on_finished=self._on_finished, on_lost=self._engine_lost,
                               on_queue_time=self._on_queue_time, stream_interval=s.stream_interval,
