@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from gateway_service.request_queue import RequestDigests, RequestQueue
+from gateway_service.admission import Admission, RequestDigests
 from pagedserve.local_cluster import LocalCluster
 from servicekit import redis_client
 from servicekit.contract.sampling_params import SamplingParams
@@ -116,7 +116,7 @@ async def test_an_admission_is_on_the_replica_when_admit_returns(redis_ha):
     keys = RedisKeys("ha:")
     client = through_sentinels(redis_ha)
     try:
-        queue = RequestQueue(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=10_000)
+        queue = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=10_000)
         for i in range(20):
             await queue.admit(f"r{i}", b"record", DIGESTS, keys.gateway_wake("g"))
         assert (queue.num_replicated, queue.num_unreplicated) == (20, 0)
@@ -132,7 +132,7 @@ async def test_an_unresponsive_replica_delays_an_admission_only_until_the_timeou
     client = through_sentinels(redis_ha)
     replica = replica_of(redis_ha)
     try:
-        queue = RequestQueue(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=200)
+        queue = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=200)
         await queue.admit("before", b"record", DIGESTS, keys.gateway_wake("g"))
         assert queue.num_replicated == 1
         os.killpg(replica.popen.pid, signal.SIGSTOP)  # connected but silent: WAIT gets no answer
@@ -160,9 +160,9 @@ async def test_no_wait_without_replicas_or_when_off(tmp_path):
                                                   redis_master_name="", redis_sentinel_password=""))
     keys = RedisKeys("solo:")
     try:
-        alone = RequestQueue(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=60_000)
+        alone = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=60_000)
         await alone.admit("a", b"record", DIGESTS, keys.gateway_wake("g"))  # would block a minute if it WAITed
-        off = RequestQueue(client, keys, max_queued=0, output_ttl_s=60)
+        off = Admission(client, keys, max_queued=0, output_ttl_s=60)
         await off.admit("b", b"record", DIGESTS, keys.gateway_wake("g"))
         assert (alone.num_replicated, alone.num_unreplicated, off.num_replicated) == (0, 0, 0)
         assert await client.xlen(keys.requests) == 2

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from gateway_service.chunks import ChunkAssembler
-from scheduler_service.convert import engine_output_to_record
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import EngineCoreOutput, FinishReason
+from servicekit.proto.queue import engine_output_to_bytes
 
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
 
@@ -27,7 +27,7 @@ def assemble(tokenizer, records, stop_id, *, resume=None, skip_special=True, kee
                          on_stop_string=lambda: None)
     text, tokens, last = "", [], None
     for token_ids, first, finish in records:
-        chunk = asm.feed([engine_output_to_record(EngineCoreOutput("r", list(token_ids), first, finish))])
+        chunk = asm.feed([engine_output_to_bytes(EngineCoreOutput("r", list(token_ids), first, finish))])
         if chunk is not None:
             text, tokens, last = text + chunk.text, tokens + chunk.token_ids, chunk
     assert asm.done or last.finish_reason is not None

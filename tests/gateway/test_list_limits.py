@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway_service.convert import MAX_CHAT_MESSAGES
+from servicekit.proto.generation import MAX_CHAT_MESSAGES
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS

@@ -11,7 +11,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from gateway_service.output_fanout import OutputFanout
-from scheduler_service.redis_queue import QueueEntry, RedisQueue
+from scheduler_service.intake import RequestEntry, RequestIntake
 from servicekit.redis_keys import RedisKeys, ensure_request_group
 
 
@@ -29,11 +29,11 @@ async def test_the_publish_script_appends_each_gateways_records_to_its_live_stre
     client = aioredis.Redis(port=redis_server.port)
     keys = RedisKeys("live-publish:")
     await ensure_request_group(client, keys)
-    queue = RedisQueue(client, keys, "s", output_ttl_s=60)
+    intake = RequestIntake(client, keys, "s", output_ttl_s=60)
     for rid, gateway in [("a", "g1"), ("b", "g2"), ("c", "g1")]:
-        queue.keep_live(QueueEntry("0-1", rid, b"", keys.gateway_live(gateway)))
+        intake.keep_live(RequestEntry("0-1", rid, b"", keys.gateway_live(gateway)))
     try:
-        await queue.publish([("a", b"a0"), ("b", b"b0"), ("c", b"c0"), ("d", b"d0"), ("a", b"a1")], [])
+        await intake.publish([("a", b"a0"), ("b", b"b0"), ("c", b"c0"), ("d", b"d0"), ("a", b"a1")], [])
 
         for rid, records in [("a", [b"a0", b"a1"]), ("b", [b"b0"]), ("c", [b"c0"]), ("d", [b"d0"])]:
             assert [f[b"data"] for _id, f in await client.xrange(keys.output(rid))] == records
@@ -47,8 +47,8 @@ async def test_the_publish_script_appends_each_gateways_records_to_its_live_stre
         assert list(g2.values()) == [b"b0"]
         assert 0 < await client.ttl(keys.gateway_live("g1")) <= 60
 
-        queue.forget_live({"b"})  # a, c and d are no longer held
-        assert queue.live == {"b": keys.gateway_live("g2")}
+        intake.forget_live({"b"})  # a, c and d are no longer held
+        assert intake.live == {"b": keys.gateway_live("g2")}
     finally:
         await client.aclose()
 
@@ -62,7 +62,7 @@ async def test_a_live_reader_gets_every_record_once_and_stops_reading_its_own_st
     keys = RedisKeys("live-reader:")
     await ensure_request_group(client, keys)
     fanout = OutputFanout(client, keys, "gw", block_ms=2000)
-    queue = RedisQueue(client, keys, "s", output_ttl_s=60)
+    intake = RequestIntake(client, keys, "s", output_ttl_s=60)
     read_keys: list[list[bytes]] = []
     xread = client.xread
 
@@ -74,7 +74,7 @@ async def test_a_live_reader_gets_every_record_once_and_stops_reading_its_own_st
     rids = [f"r{i}" for i in range(4)]
     owners = [fanout.subscribe(keys.output(rid), live=True) for rid in rids]
     for rid in rids:
-        queue.keep_live(QueueEntry("0-1", rid, b"", fanout.live_key))
+        intake.keep_live(RequestEntry("0-1", rid, b"", fanout.live_key))
     fanout.start()
     try:
         await client.xadd(fanout.wake_key, {"w": "1"})
@@ -84,7 +84,7 @@ async def test_a_live_reader_gets_every_record_once_and_stops_reading_its_own_st
             if step == 3:
                 resumed = fanout.subscribe(keys.output("r0"))
                 await client.xadd(fanout.wake_key, {"w": "1"})
-            await queue.publish([(rid, f"{rid}:{step}".encode()) for rid in rids], [])
+            await intake.publish([(rid, f"{rid}:{step}".encode()) for rid in rids], [])
             await asyncio.sleep(0.1)
         got = [[] for _ in rids]
         for sub, into in zip(owners, got):
@@ -110,13 +110,13 @@ async def test_a_live_reader_whose_scheduler_writes_no_live_entries_reads_its_ow
     keys = RedisKeys("live-old:")
     await ensure_request_group(client, keys)
     fanout = OutputFanout(client, keys, "gw", block_ms=2000)
-    queue = RedisQueue(client, keys, "s", output_ttl_s=60)  # nothing kept: publishes no live entries
+    intake = RequestIntake(client, keys, "s", output_ttl_s=60)  # nothing kept: publishes no live entries
     sub = fanout.subscribe(keys.output("r"), live=True)
     fanout.start()
     try:
         await client.xadd(fanout.wake_key, {"w": "1"})
         for step in range(3):
-            await queue.publish([("r", b"%d" % step)], [])
+            await intake.publish([("r", b"%d" % step)], [])
         got: list[bytes] = []
         await _collect(sub, got, 3)
         assert got == [b"0", b"1", b"2"]

@@ -1,22 +1,32 @@
 """SamplingParams (``servicekit.contract.sampling_params``) and its wire form
-(``servicekit.proto.convert``): the round trip keeps defaults and values, allowed token ids are
+(``servicekit.proto.sampling``): the round trip keeps defaults and values, allowed token ids are
 checked, and a bad field on the wire raises naming it."""
 
 from __future__ import annotations
+
+from dataclasses import fields
 
 import pytest
 
 from pagedserve.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.proto import convert as shared_convert
+from servicekit.proto import sampling
 
 
 def test_sampling_params_round_trip_keeps_defaults_and_values():
-    for params in (SamplingParams(), SamplingParams(max_tokens=7, temperature=0.0, top_k=5, top_p=0.5, min_p=0.1,
-                                                    seed=2**63 - 1, stop=("a", "b"), stop_token_ids=(3,),
-                                                    ignore_eos=True, logprobs=2, min_tokens=1,
-                                                    allowed_token_ids=(9, 2, 9, 40))):
-        assert shared_convert.sampling_params_from_pb(shared_convert.sampling_params_to_pb(params)) == params
+    every_field = SamplingParams(
+        max_tokens=7, min_tokens=1, temperature=0.5, top_k=5, top_p=0.5, min_p=0.25, seed=2**63 - 1,
+        stop=("a", "b"), stop_token_ids=(3,), ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5,
+        frequency_penalty=-0.5, logprobs=2, prompt_logprobs=1, logit_bias={4: 2.5, 1: -1.0},
+        allowed_token_ids=(9, 2, 9, 40))
+    assert set(sampling.FIELDS) == {f.name for f in fields(SamplingParams)}  # the wire carries every field
+    for params in (SamplingParams(), every_field):
+        msg = sampling.sampling_params_to_pb(params)
+        assert sampling.sampling_params_from_pb(msg) == params
+        assert sampling.sampling_params_from_pb(msg, trusted=True) == params
+        assert sampling.sampling_params_to_pb(sampling.sampling_params_from_pb(msg)) == msg
+    assert sampling.sampling_params_to_bytes(every_field) == sampling.sampling_params_to_bytes(
+        sampling.sampling_params_from_pb(sampling.sampling_params_to_pb(every_field)))
 
 
 def test_allowed_token_ids_are_kept_sorted_unique_and_checked():
@@ -37,8 +47,8 @@ def test_allowed_token_ids_are_kept_sorted_unique_and_checked():
 
 
 def test_bad_sampling_field_on_the_wire_raises_naming_it():
-    msg = shared_convert.sampling_params_to_pb(SamplingParams())
+    msg = sampling.sampling_params_to_pb(SamplingParams())
     msg.top_p = 2.0
     with pytest.raises(InvalidArgumentError) as info:
-        shared_convert.sampling_params_from_pb(msg)
+        sampling.sampling_params_from_pb(msg)
     assert info.value.field == "top_p"

@@ -131,16 +131,16 @@ async def test_a_call_whose_deadline_passes_while_redis_admits_it_still_aborts_i
     """The deadline (or the client leaving) cancels the call with its admission in flight: once the
     admission lands the request is aborted, not left to run to max_tokens with nobody reading (seen
     under load with 0.3 s deadlines)."""
-    from gateway_service.request_queue import RequestQueue
+    from gateway_service.admission import Admission
     from pagedserve.errors import DeadlineExceededError
 
-    admit = RequestQueue.admit
+    admit = Admission.admit
 
     async def slow_reply(self, *args, **kwargs):
         await admit(self, *args, **kwargs)  # admitted in Redis; the reply comes late
         await asyncio.sleep(1.0)
 
-    monkeypatch.setattr(RequestQueue, "admit", slow_reply)
+    monkeypatch.setattr(Admission, "admit", slow_reply)
     before = (await scheduler_stats(stack.scheduler_address)).num_aborted
     async with AsyncClient(stack.gateway_address, retries=0) as client:
         with pytest.raises(DeadlineExceededError):

@@ -30,17 +30,16 @@ def test_info_reports_blocks_limits_and_eos(hf):
 def test_the_worker_states_its_prefill_attention_limit_by_device(hf):
     """A CPU worker states the CPU's cap per prefill chunk (auto); a configured value wins; the
     statement survives Describe and the Redis registry, where a scheduler reads it."""
-    from scheduler_service.convert import worker_description_from_pb
     from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT
+    from servicekit.proto.step import worker_description_from_pb, worker_description_to_pb
     from servicekit.registry import worker_from_hash, worker_to_hash
-    from worker_service.convert import describe_to_pb
 
     auto = make_runner(hf).info
     assert auto.prefill_chunk_attention_limit == CPU_PREFILL_CHUNK_ATTENTION_LIMIT == 1 << 20
     assert make_runner(hf, prefill_chunk_attention_limit=0).info.prefill_chunk_attention_limit == 0
     stated = make_runner(hf, prefill_chunk_attention_limit=5000).info
     assert stated.prefill_chunk_attention_limit == 5000
-    assert worker_description_from_pb(describe_to_pb(stated)) == stated
+    assert worker_description_from_pb(worker_description_to_pb(stated)) == stated
     assert worker_from_hash(worker_to_hash(stated)) == stated
     old_entry = {k: v for k, v in worker_to_hash(stated).items() if k != "prefill_chunk_attention_limit"}
     assert worker_from_hash(old_entry).prefill_chunk_attention_limit == 0  # an older worker states nothing

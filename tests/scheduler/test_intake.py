@@ -1,12 +1,13 @@
-"""The scheduler's Redis request queue (``scheduler_service.redis_queue``): ownership of pending
+"""The scheduler's side of the request stream (``scheduler_service.intake``): ownership of pending
 request entries (refresh, takeover, release, dead letters) and publishing a step's records."""
 
 from __future__ import annotations
 
 import asyncio
 
-from scheduler_service import convert
-from scheduler_service.redis_queue import RedisQueue
+from scheduler_service.intake import RequestIntake
+from servicekit.contract.records import OutputRecord, delivered_outputs
+from servicekit.proto.queue import output_record_from_bytes, output_record_to_bytes
 from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
 
 
@@ -21,8 +22,8 @@ async def admit_entries(redis, keys: RedisKeys, n: int) -> list[str]:
 async def test_refresh_keeps_a_live_schedulers_entries_and_reports_those_taken_over(redis):
     keys = RedisKeys("refresh-test:")
     ids = await admit_entries(redis, keys, 3)
-    mine = RedisQueue(redis, keys, "alive", output_ttl_s=60)
-    other = RedisQueue(redis, keys, "other", output_ttl_s=60)
+    mine = RequestIntake(redis, keys, "alive", output_ttl_s=60)
+    other = RequestIntake(redis, keys, "other", output_ttl_s=60)
     assert [e.entry_id for e in await mine.pull(3, 10)] == ids
     await asyncio.sleep(0.15)
     assert await mine.refresh_pending(ids) == []  # every entry's idle time is reset...
@@ -39,32 +40,33 @@ async def test_refresh_keeps_a_live_schedulers_entries_and_reports_those_taken_o
 async def test_a_dead_letter_ends_the_request_for_its_client_and_keeps_the_entry(redis):
     keys = RedisKeys("dead-test:")
     (entry_id,) = await admit_entries(redis, keys, 1)
-    queue = RedisQueue(redis, keys, "s", output_ttl_s=60)
-    (entry,) = await queue.pull(1, 10)
-    await queue.finish_entries([("r0", convert.error_record("", "given up"))], [entry], reason="too many takeovers")
+    intake = RequestIntake(redis, keys, "s", output_ttl_s=60)
+    (entry,) = await intake.pull(1, 10)
+    refusal = output_record_to_bytes(OutputRecord.error("", "given up"))
+    await intake.finish_entries([("r0", refusal)], [entry], reason="too many takeovers")
     (dead_id, fields), = await redis.xrange(keys.dead_letters)
     assert fields[b"request_id"] == b"r0" and fields[b"reason"] == b"too many takeovers"
     assert await redis.xlen(keys.requests) == 0
     assert (await redis.xpending(keys.requests, SCHEDULER_GROUP))["pending"] == 0
     records = [fields[b"data"] for _id, fields in await redis.xrange(keys.output("r0"))]
-    assert convert.delivered_outputs(records) == ([], True)
+    assert delivered_outputs([output_record_from_bytes(data) for data in records]) == ([], True)
 
 
 async def test_publish_appends_every_record_in_order_renews_ttls_and_acks_the_finished(redis):
     keys = RedisKeys("publish-test:")
     ids = await admit_entries(redis, keys, 3)
-    queue = RedisQueue(redis, keys, "s", output_ttl_s=60)
-    await queue.pull(3, 10)
-    await queue.publish([("r0", b"a0"), ("r1", b"b0"), ("r0", b"a1")], [])
-    await queue.publish([("r2", b"c0"), ("r0", b"a2")], [ids[0], ids[2]])
-    await queue.publish([], [])  # nothing: no command
+    intake = RequestIntake(redis, keys, "s", output_ttl_s=60)
+    await intake.pull(3, 10)
+    await intake.publish([("r0", b"a0"), ("r1", b"b0"), ("r0", b"a1")], [])
+    await intake.publish([("r2", b"c0"), ("r0", b"a2")], [ids[0], ids[2]])
+    await intake.publish([], [])  # nothing: no command
     assert [f[b"data"] for _id, f in await redis.xrange(keys.output("r0"))] == [b"a0", b"a1", b"a2"]
     assert [f[b"data"] for _id, f in await redis.xrange(keys.output("r1"))] == [b"b0"]
     assert [f[b"data"] for _id, f in await redis.xrange(keys.output("r2"))] == [b"c0"]
     assert all(0 < ttl <= 60 for ttl in [await redis.ttl(keys.output(r)) for r in ("r0", "r1", "r2")])
     assert [e[0].decode() for e in await redis.xrange(keys.requests)] == [ids[1]]  # the finished are deleted
     assert (await redis.xpending(keys.requests, SCHEDULER_GROUP))["pending"] == 1  # and acknowledged
-    await queue.publish([], [ids[1]])  # finishing records may come with no output
+    await intake.publish([], [ids[1]])  # finishing records may come with no output
     assert await redis.xlen(keys.requests) == 0
 
 
@@ -75,9 +77,9 @@ async def test_publish_finishes_more_entries_than_one_lua_unpack_takes(redis):
     for i in range(9000):  # a failing engine publishes every entry it holds at once
         pipe.xadd(keys.requests, {"request_id": f"r{i}", "data": b"x"})
     ids = [i.decode() for i in await pipe.execute()]
-    queue = RedisQueue(redis, keys, "s", output_ttl_s=60)
-    assert len(await queue.pull(9000, 10)) == 9000
-    await queue.publish([("r0", b"last")], ids)
+    intake = RequestIntake(redis, keys, "s", output_ttl_s=60)
+    assert len(await intake.pull(9000, 10)) == 9000
+    await intake.publish([("r0", b"last")], ids)
     assert await redis.xlen(keys.requests) == 0
     assert (await redis.xpending(keys.requests, SCHEDULER_GROUP))["pending"] == 0
 
@@ -85,8 +87,8 @@ async def test_publish_finishes_more_entries_than_one_lua_unpack_takes(redis):
 async def test_released_entries_are_taken_over_at_once(redis):
     keys = RedisKeys("release-test:")
     ids = await admit_entries(redis, keys, 2)
-    draining = RedisQueue(redis, keys, "draining", output_ttl_s=60)
-    other = RedisQueue(redis, keys, "other", output_ttl_s=60)
+    draining = RequestIntake(redis, keys, "draining", output_ttl_s=60)
+    other = RequestIntake(redis, keys, "other", output_ttl_s=60)
     await draining.pull(2, 10)
     assert await draining.release(ids, idle_ms=10_000) == ids
     claimed = await other.claim_idle(10_000, 10)
@@ -97,8 +99,8 @@ async def test_released_entries_are_taken_over_at_once(redis):
 async def test_release_leaves_entries_that_are_not_ours_any_more(redis):
     keys = RedisKeys("release-theirs-test:")
     ids = await admit_entries(redis, keys, 2)
-    stranded = RedisQueue(redis, keys, "stranded", output_ttl_s=60)
-    other = RedisQueue(redis, keys, "other", output_ttl_s=60)
+    stranded = RequestIntake(redis, keys, "stranded", output_ttl_s=60)
+    other = RequestIntake(redis, keys, "other", output_ttl_s=60)
     await stranded.pull(2, 10)
     await asyncio.sleep(0.15)
     (taken,) = await other.claim_idle(100, 1)  # the other took the first over meanwhile
