@@ -11,12 +11,13 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen native kubectl test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels peer-llamacpp
+.PHONY: help install gen native kubectl docs test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels peer-llamacpp
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
 	@echo "make test    - install (first run), then run every test that needs no GPU"
 	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
+	@echo "make docs    - regenerate docs/configuration.md from the settings dataclasses"
 	@echo "make native  - build the C attention kernels of the CPU path for this machine"
 	@echo "make clean   - remove the virtual environment and generated code"
 	@echo "make gpu-check     - on a CUDA machine: kernels, model parity, kernel speed, throughput, stack (< 8 min, H200)"
@@ -53,6 +54,10 @@ native: $(STAMP)
 kubectl:
 	@command -v kubectl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq kubectl; } \
 	  || echo "WARNING: kubectl not installed; tests/deploy need it (add the apt source of https://pkgs.k8s.io)"
+
+# docs/configuration.md is generated from the settings dataclasses (a test fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m pagedserve.config_doc > docs/configuration.md
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)

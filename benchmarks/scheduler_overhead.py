@@ -36,7 +36,7 @@ from scheduler_service.core import (  # noqa: E402
     Request,
     SamplingParams,
     Scheduler,
-    SchedulerConfig,
+    SchedulingConfig,
     WorkerDescription,
 )
 
@@ -109,7 +109,7 @@ def decode_scenario(num_requests: int, steps: int, seed: int) -> dict:
     max_len = prompt_len + steps + 64
     num_blocks = num_requests * (-(-max_len // BLOCK_SIZE)) + 1
     worker = WorkerDescription("fake", num_blocks, BLOCK_SIZE, max_len + 64, VOCAB, (2,))
-    config = SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=num_requests, enable_prefix_caching=True)
+    config = SchedulingConfig(max_num_batched_tokens=8192, max_num_seqs=num_requests, enable_prefix_caching=True)
     scheduler = Scheduler(config, worker, seed_rng=random.Random(seed))
     system = [rng.randrange(10, VOCAB) for _ in range(system_len)]
     for k in range(num_requests):
@@ -130,7 +130,7 @@ def decode_scenario(num_requests: int, steps: int, seed: int) -> dict:
 def mixed_scenario(steps: int, seed: int) -> dict:
     rng = random.Random(seed)
     worker = WorkerDescription("fake", 4097, BLOCK_SIZE, 4096, VOCAB, (2,))  # 65,536 tokens of KV
-    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, long_prefill_token_threshold=512)
+    config = SchedulingConfig(max_num_batched_tokens=2048, max_num_seqs=256, long_prefill_token_threshold=512)
     scheduler = Scheduler(config, worker, seed_rng=random.Random(seed))
     systems = [[rng.randrange(10, VOCAB) for _ in range(n)] for n in (0, 256, 512, 1024)]
     arrivals: dict[int, list[Request]] = {}

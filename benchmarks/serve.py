@@ -382,15 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         address, http_url = args.address, args.http_url
         if args.start_stack:
-            from pagedserve.launcher import Stack, StackOptions, free_port
+            from pagedserve.launcher import Stack, StackConfig, free_port
 
-            worker_args = [f"--max-num-seqs={args.max_num_seqs}", *args.worker_arg]
-            if args.kv_cache_memory:
-                worker_args.append(f"--kv-cache-memory={args.kv_cache_memory}")
             http_port = free_port()
-            stack = Stack(StackOptions(model=args.model, port=free_port(), http_port=http_port,
-                                       scheduler_port=free_port(), worker_port=free_port(), log_level="WARNING",
-                                       worker_args=worker_args))
+            stack = Stack(StackConfig(model=args.model, max_num_seqs=args.max_num_seqs,
+                                      kv_cache_memory=args.kv_cache_memory or None, port=free_port(),
+                                      http_port=http_port, scheduler_port=free_port(), worker_port=free_port(),
+                                      log_level="WARNING", worker_args=tuple(args.worker_arg)))
             address = stack.start()
             http_url = f"http://127.0.0.1:{http_port}/v1"
         llm = None

@@ -44,18 +44,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) -> dict:
-    from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
     from scheduler_service.core.request import Request
     from scheduler_service.core.scheduler import Scheduler
     from servicekit.contract.sampling_params import SamplingParams
+    from servicekit.contract.scheduling import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulingConfig
 
     new = phase.endswith("-new")
     threshold = (args.shared_threshold if args.shared_threshold is not None
                  else DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD) if new else 0
     attention_limit = (args.attention_limit if args.attention_limit is not None
                        else runner.info.prefill_chunk_attention_limit) if new else 0
-    config = SchedulerConfig(enable_prefix_caching=False, shared_prefill_token_threshold=threshold,
-                             prefill_chunk_attention_limit=attention_limit)
+    config = SchedulingConfig(enable_prefix_caching=False, shared_prefill_token_threshold=threshold,
+                              prefill_chunk_attention_limit=attention_limit)
     scheduler = Scheduler(config, runner.info, seed_rng=random.Random(0))
     vocab = runner.info.vocab_size
 

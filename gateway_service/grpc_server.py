@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from gateway_service import convert
 from gateway_service.generation import GenerationService
 from gateway_service.multiplex import GenerateManyCall
-from gateway_service.settings import GatewaySettings
+from gateway_service.config import GatewayConfig
 from servicekit.auth import KeyStore
 from servicekit.grpc_auth import HEALTH_SERVICES, REFLECTION_SERVICES, BearerAuthInterceptor, caller_key_digest
 from servicekit.proto.generation import model_info_to_pb
@@ -21,9 +21,9 @@ from servicekit.serving import ServerLifecycle
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, service: GenerationService, settings: GatewaySettings | None = None) -> None:
+    def __init__(self, service: GenerationService, settings: GatewayConfig | None = None) -> None:
         self._service = service
-        self._settings = settings or GatewaySettings()
+        self._settings = settings or GatewayConfig()
 
     async def Generate(self, request, context):
         inp = convert.generate_input_from_pb(request)
@@ -53,11 +53,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return model_info_to_pb(await self._service.served_limits(""))
 
 
-def build_server(service: GenerationService, settings: GatewaySettings | None = None,
+def build_server(service: GenerationService, settings: GatewayConfig | None = None,
                  keys: KeyStore | None = None, registry: CollectorRegistry | None = None) -> ServerLifecycle:
     """The gateway's server: every Generation method needs an API key of ``keys`` (when it holds
     any); health and, unless ``settings.reflection`` is off, reflection stay open."""
-    settings = settings or GatewaySettings()
+    settings = settings or GatewayConfig()
     open_services = HEALTH_SERVICES + (REFLECTION_SERVICES if settings.reflection else ())
     size = settings.max_message_bytes
     lifecycle = ServerLifecycle(

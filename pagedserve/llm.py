@@ -10,20 +10,21 @@ No gRPC, no Redis: each step is ``Scheduler.schedule()`` → ``ModelRunner.execu
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
-from scheduler_service.core.config import DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD, SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, check_text, token_id_list
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.step import FinishReason, TokenLogprobs
 
 Prompt = Union[str, Sequence[int]]
@@ -110,71 +111,46 @@ class _Pending:
                 self.stop_string, self.finish_reason = stop, "stop"
 
 
+def engine_configs(model: str, settings: dict[str, Any]):
+    """``(ModelRunnerConfig, SchedulingConfig)`` from ``LLM``'s keywords, each to the dataclass that
+    declares it (the batch limits to both); a keyword neither declares is a TypeError, as for any
+    function."""
+    from worker_service.config import ModelRunnerConfig
+
+    runner_fields = {f.name for f in dataclasses.fields(ModelRunnerConfig)}
+    scheduling_fields = {f.name for f in dataclasses.fields(SchedulingConfig)}
+    unknown = sorted(set(settings) - runner_fields - scheduling_fields)
+    if unknown:
+        raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+    scheduling = SchedulingConfig(**{k: v for k, v in settings.items() if k in scheduling_fields})
+    runner = ModelRunnerConfig(model=model, **{k: v for k, v in settings.items() if k in runner_fields})
+    return runner, scheduling
+
+
 class LLM:
     """Generate text for a batch of prompts with continuous batching over a paged KV cache.
 
-    Engine options (all keywords): ``dtype`` (auto | float32 | bfloat16 | float16; auto: bfloat16 on a
-    CPU with AMX-BF16 or AVX512-BF16, else float32 — ``worker_service.loader.choose_dtype``), ``device``,
-    ``seed`` (draws the seeds of requests that come without one), ``block_size``,
-    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_prefix_caching``,
-    ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``shared_prefill_token_threshold`` (a
-    prefill chunk's cap while other requests wait or run), ``prefill_chunk_attention_limit`` (key positions
-    one chunk attends, tokens x context; None: the model runner's, 1048576 on a CPU, none on CUDA), ``policy``, ``kv_cache_memory``
-    ("2GiB"), ``gpu_memory_fraction``, ``num_blocks`` (overrides the memory budget),
-    ``attention_backend`` (auto | torch | cpu | triton), ``tokenizer`` (another name to load the tokenizer
-    from), ``skip_tokenizer_init`` (token-id prompts only; ``text`` stays empty), ``hf_model`` (an
-    already loaded transformers model of ``model``: its weights are reused instead of loaded again).
+    ``LLM(model, **engine_settings)``: every keyword that names a field of the model runner's
+    settings (``worker_service.config.ModelRunnerConfig``: ``dtype``, ``device``, ``block_size``,
+    ``max_model_len``, ``kv_cache_memory`` ...) or of the scheduling settings
+    (``servicekit.contract.scheduling.SchedulingConfig``: ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``policy`` ...) goes to it: the same
+    dataclasses, defaults and checks as ``pagedserve serve``'s flags of the same names
+    (docs/configuration.md). Besides those: ``tokenizer`` (another name to load the tokenizer from),
+    ``seed`` (draws the seeds of requests that come without one), ``skip_tokenizer_init`` (token-id
+    prompts only; ``text`` stays empty) and ``hf_model`` (an already loaded transformers model of
+    ``model``: its weights are reused instead of loaded again).
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str | None = None,
-        seed: int = 0,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        shared_prefill_token_threshold: int = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
-        prefill_chunk_attention_limit: int | None = None,
-        policy: str = "fcfs",
-        kv_cache_memory: str | int | None = None,
-        gpu_memory_fraction: float = 0.9,
-        num_blocks: int | None = None,
-        attention_backend: str = "auto",
-        hf_model: Any | None = None,
-        skip_tokenizer_init: bool = False,
-    ) -> None:
-        from worker_service.config import ModelRunnerConfig
+    def __init__(self, model: str, *, tokenizer: str | None = None, seed: int = 0, hf_model: Any | None = None,
+                 skip_tokenizer_init: bool = False, **engine_settings: Any) -> None:
         from worker_service.model_runner import ModelRunner
 
-        scheduler_config = SchedulerConfig(  # validated before the model loads
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            shared_prefill_token_threshold=shared_prefill_token_threshold,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            policy=policy,
-        )
-        runner_config = ModelRunnerConfig(
-            model=model, dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory, gpu_memory_fraction=gpu_memory_fraction, num_blocks=num_blocks,
-            attention_backend=attention_backend,
-            prefill_chunk_attention_limit=-1 if prefill_chunk_attention_limit is None else prefill_chunk_attention_limit,
-        )
+        runner_config, scheduling = engine_configs(model, engine_settings)  # validated before the model loads
         self.runner = ModelRunner(runner_config, hf_model=hf_model)
-        # the attention cap is the runner's word (the value given, or its device's default)
-        self.scheduler_config = replace(scheduler_config,
-                                        prefill_chunk_attention_limit=self.runner.info.prefill_chunk_attention_limit)
-        self.scheduler = Scheduler(self.scheduler_config, self.runner.info, seed_rng=random.Random(seed))
+        self.scheduler = Scheduler(scheduling, self.runner.info, seed_rng=random.Random(seed))
+        # the settings as the scheduler applies them: within the runner's limits, its attention cap
+        self.scheduler_config = self.scheduler.config
         # without a tokenizer, prompts must be token ids and outputs carry no text
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
         self._prompts = None if self.tokenizer is None else PromptTokenizer(self.tokenizer)

@@ -1,7 +1,7 @@
 """``pagedserve scheduler``: the engine loop between Redis and the workers.
 
 Settings come from flags and ``PAGEDSERVE_*`` environment variables (``--help`` lists both) and
-are frozen into :class:`~scheduler_service.settings.SchedulerSettings` once, here.
+are frozen into :class:`~scheduler_service.config.SchedulerConfig` once, here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 
-from scheduler_service.settings import SchedulerSettings
+from scheduler_service.config import SchedulerConfig
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.serving import service_main
 
@@ -26,14 +26,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                     "block pool per worker, drives each worker over a Worker.Step stream, and writes every "
                     "step's tokens to {prefix}out:{request_id}. Serves SchedulerAdmin.Stats, grpc.health.v1 "
                     "and reflection on --port. SIGTERM: stop pulling, report NOT_SERVING, finish held "
-                    "requests within --drain-grace-s; unfinished ones stay pending in Redis.", env, SchedulerSettings)
+                    "requests within --drain-grace-s; unfinished ones stay pending in Redis.", env, SchedulerConfig)
 
 
-def settings_from_args(args: argparse.Namespace) -> SchedulerSettings:
-    return SchedulerSettings(**settings_kwargs(SchedulerSettings, args))
+def settings_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(**settings_kwargs(SchedulerConfig, args))
 
 
-def make_app(settings: SchedulerSettings):
+def make_app(settings: SchedulerConfig):
     from scheduler_service.service import SchedulerApp  # heavy: kept out of ``--help``
 
     return SchedulerApp(settings)

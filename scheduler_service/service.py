@@ -36,7 +36,7 @@ from scheduler_service.engine import WorkerEngine
 from scheduler_service.intake import ClaimedEntry, RequestEntry, RequestIntake
 from scheduler_service.metrics import SchedulerCollector, queue_time_histogram
 from scheduler_service.routing import choose_engine
-from scheduler_service.settings import SchedulerSettings
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.workers import WorkerPool
 from servicekit import redis_client
 from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentError
@@ -83,7 +83,7 @@ class ServiceStats:
 class SchedulerApp:
     """A running scheduler. ``redis`` may be injected; otherwise built from the settings."""
 
-    def __init__(self, settings: SchedulerSettings, redis=None) -> None:
+    def __init__(self, settings: SchedulerConfig, redis=None) -> None:
         self.settings = settings
         self.keys = RedisKeys(settings.key_prefix)
         self._redis = redis

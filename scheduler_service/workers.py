@@ -35,13 +35,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 from redis.exceptions import RedisError
 
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
 from scheduler_service.intake import RequestIntake
 from scheduler_service.leases import WorkerLeases
-from scheduler_service.settings import SchedulerSettings
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.worker_client import LeaseRefusedError, WorkerLostError, connect
 from servicekit.contract.worker import WorkerDescription
 from servicekit.redis_keys import RedisKeys
@@ -52,23 +51,6 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 2.0
-
-
-def scheduler_config_for(settings: SchedulerSettings, worker: WorkerDescription) -> SchedulerConfig:
-    """How to batch for ``worker``: this scheduler's settings within what the worker states (its
-    batch and step limits are maxima; 0 in a setting means the worker's), and its attention cap per
-    prefill chunk unless the settings give one (-1: the worker's, which depends on its device)."""
-    s = settings
-    return SchedulerConfig(
-        max_num_batched_tokens=min(s.max_num_batched_tokens or worker.max_num_batched_tokens,
-                                   worker.max_num_batched_tokens),
-        max_num_seqs=min(s.max_num_seqs or worker.max_num_seqs, worker.max_num_seqs),
-        long_prefill_token_threshold=s.long_prefill_token_threshold,
-        shared_prefill_token_threshold=s.shared_prefill_token_threshold,
-        prefill_chunk_attention_limit=(s.prefill_chunk_attention_limit if s.prefill_chunk_attention_limit >= 0
-                                       else worker.prefill_chunk_attention_limit),
-        enable_chunked_prefill=s.enable_chunked_prefill,
-        enable_prefix_caching=s.enable_prefix_caching, policy=s.policy)
 
 
 class WorkerPool:
@@ -82,7 +64,7 @@ class WorkerPool:
     that no engine takes.
     """
 
-    def __init__(self, settings: SchedulerSettings, redis, keys: RedisKeys, intake: RequestIntake, *,
+    def __init__(self, settings: SchedulerConfig, redis, keys: RedisKeys, intake: RequestIntake, *,
                  admin_address: str, on_change: Callable[[], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None],
                  on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0,
@@ -356,16 +338,15 @@ class WorkerPool:
             await self._release(description.worker_id)
             return
         info = description
-        config = scheduler_config_for(s, description)
-        try:
-            core = Scheduler(config, info, seed_rng=random.Random(self._rng.getrandbits(64)))
+        try:  # the scheduling settings within what this worker states (SchedulingConfig.for_worker)
+            core = Scheduler(s.scheduling, info, seed_rng=random.Random(self._rng.getrandbits(64)))
         except ValueError as exc:  # settings that cannot work with this worker (InvalidArgumentError)
             log.error("cannot drive worker %s with these settings: %s", address, exc)
             await client.close()
             await self._release(description.worker_id)
             return
         engine = WorkerEngine(client, description, core, self._intake,
-                              max_queued=s.max_queued_per_worker or config.max_num_seqs,
+                              max_queued=s.max_queued_per_worker or core.config.max_num_seqs,
                               on_finished=self._on_finished, on_lost=self._engine_lost,
                               on_queue_time=self._on_queue_time, stream_interval=s.stream_interval,
                               async_scheduling=s.async_scheduling)
@@ -376,7 +357,7 @@ class WorkerPool:
             name=f"health {address}")
         log.info("driving worker %s (%s, id %s): %d KV blocks of %d tokens, max_model_len %d, "
                  "batch %d seqs / %d tokens", address, info.model, description.worker_id, info.num_blocks,
-                 info.block_size, info.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
+                 info.block_size, info.max_model_len, core.config.max_num_seqs, core.config.max_num_batched_tokens)
         self._on_change()
 
     def _engine_lost(self, engine: WorkerEngine, handed: list[tuple[Request, str]]) -> None:

@@ -1,6 +1,7 @@
 """Settings → flags: each service's frozen settings dataclass is the one source of every knob.
 
-A field declared with :func:`setting` carries its help text; :func:`add_setting_flags` turns
+A field declared with :func:`servicekit.contract.settings.setting` carries its help text and
+range; :func:`add_setting_flags` turns
 each such field into ``--field-name`` (type, default and choices from the field) that falls back to
 the ``PAGEDSERVE_FIELD_NAME`` environment variable, and :func:`settings_kwargs` reads the parsed
 values back into the dataclass's keyword arguments. Precedence: command-line flag > environment
@@ -16,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from servicekit.redis_keys import DEFAULT_PREFIX
+from servicekit.contract.settings import setting_fields
 
 ENV_PREFIX = "PAGEDSERVE_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -41,19 +42,6 @@ def parse_bool(text: str) -> bool:
 def parse_list(text: str) -> tuple[str, ...]:
     """``"a, b,c"`` -> ``("a", "b", "c")`` (empty items dropped)."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-def setting(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
-            choices: Any = None, type: Callable[[str], Any] | None = None, secret: bool = False) -> Any:
-    """A settings field that is also a flag. ``type`` parses the flag's text (default: from the
-    default's type; ``parse_list`` for tuples); a field with a ``default_factory`` (a generated id)
-    takes the factory's value when its flag is left empty. A ``secret`` (keys, tokens) never shows
-    its value in ``--help``."""
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "type": type,
-                "secret": secret}
-    if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _flag_type(field: dataclasses.Field) -> Callable[[str], Any]:
@@ -104,18 +92,17 @@ def add_flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
                             choices=list(choices) if choices is not None else None)
 
 
-def setting_fields(cls: type) -> list[dataclasses.Field]:
-    """The fields of a settings dataclass that are flags (declared with :func:`setting`)."""
-    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
-
-
 def add_setting_flags(parser: argparse.ArgumentParser, env: Mapping[str, str], cls: type) -> None:
-    """One flag per :func:`setting` field of ``cls``, in declaration order."""
+    """One flag per :func:`setting` field of ``cls``, in declaration order (a field an earlier class
+    of the same parser already added is not added twice)."""
     for f in setting_fields(cls):
+        if f"--{f.name.replace('_', '-')}" in parser._option_string_actions:
+            continue
         generated = f.default is dataclasses.MISSING
         add_flag(parser, env, f.name.replace("_", "-"), type=_flag_type(f),
                  default="" if generated else f.default,
-                 help=f.metadata["help"] + (" (empty: generated)" if generated else ""),
+                 help=f.metadata["help"] + (f.metadata["host_note"]() if f.metadata.get("host_note") else "")
+                 + (" (empty: generated)" if generated else ""),
                  choices=f.metadata["choices"], secret=f.metadata.get("secret", False))
 
 
@@ -132,38 +119,22 @@ def settings_kwargs(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-# -- the settings every service shares ------------------------------------------------------------------
-
-
-def redis_url_setting(default: str = "redis://127.0.0.1:6379/0") -> Any:
-    return setting(default, help="Redis URL (user, password, database and rediss:// TLS apply with --redis-sentinels "
-                                 "too)" + ("" if default else "; empty and no --redis-sentinels: do not register in Redis"))
-
-
-def key_prefix_setting() -> Any:
-    return setting(DEFAULT_PREFIX, help="prefix of every Redis key, so two stacks can share one Redis")
-
-
-def metrics_port_setting() -> Any:
-    """Off by default: several services of a kind share one host in local runs and tests, and
-    each would claim the same port; Kubernetes sets 9090 (deploy/k8s settings.env)."""
-    return setting(-1, help="port of Prometheus /metrics on --host (0 = any free port, -1 = none)")
-
-
-def check_port(name: str, port: int, *, allow_off: bool = False) -> None:
-    """A port setting in [0, 65536), or -1 (off) where ``allow_off``; raises ValueError naming it."""
-    low = -1 if allow_off else 0
-    if not low <= port < 65536:
-        raise ValueError(f"{name}: must be in [{low}, 65536), got {port}")
-
-
-def output_ttl_setting() -> Any:
-    """One setting for gateways (which set it at admission) and schedulers (which keep it on write)."""
-    return setting(600, help="output streams expire this many seconds after their last entry (resume window)")
-
-
-def drain_grace_setting() -> Any:
-    return setting(30.0, help="on SIGTERM, seconds in-flight work may take to finish before the server stops")
+def settings_argv(settings: Any, cls: type | None = None) -> list[str]:
+    """The flags that give ``settings`` (its :func:`setting` fields of ``cls``, default: all) where
+    they differ from their defaults: how a launcher hands its settings on to the services it starts."""
+    argv: list[str] = []
+    for f in setting_fields(cls or type(settings)):
+        value = getattr(settings, f.name)
+        if f.default is dataclasses.MISSING or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is None:
+            continue
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return argv
 
 
 def service_parser(prog: str, description: str, env: Mapping[str, str], *settings: type) -> argparse.ArgumentParser:
@@ -177,20 +148,3 @@ def service_parser(prog: str, description: str, env: Mapping[str, str], *setting
     add_flag(parser, env, "log-format", default="text", choices=LOG_FORMATS,
              help="log lines as plain text or one JSON object per line")
     return parser
-
-
-def tls_cert_setting(role: str) -> Any:
-    return setting("", help=f"PEM certificate {role} presents (with --tls-key-file; empty: no TLS)")
-
-
-def tls_key_setting() -> Any:
-    return setting("", help="PEM private key of --tls-cert-file (mount it read-only)")
-
-
-def tls_ca_setting(meaning: str) -> Any:
-    return setting("", help=f"PEM CA certificate: {meaning}")
-
-
-def internal_token_setting() -> Any:
-    return setting("", secret=True, help="shared secret every internal RPC carries (authorization: Bearer ...), checked by workers "
-                            "and schedulers; prefer the env var or a compose secret to the flag (empty: none)")

@@ -11,6 +11,23 @@ import os
 from dataclasses import dataclass
 
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.settings import check_settings, setting
+
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model is served: the workers load it, the gateways load its tokenizer."""
+
+    model: str = setting(DEFAULT_MODEL, help="short name (smollm2-135m), Hugging Face folder, or .gguf file; the "
+                                             "gateways and the workers of one stack name the same model")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.model:
+            raise InvalidArgumentError("model", "must be non-empty")
 
 
 class ModelNotFoundError(InvalidArgumentError):

@@ -20,10 +20,12 @@ that is merely unreachable is left to the callers' retries, as before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from servicekit.flags import setting
+from servicekit.contract.settings import check_settings, setting
+from servicekit.redis_keys import DEFAULT_PREFIX, RedisKeys
 
 DEFAULT_MASTER_NAME = "pagedserve"
 
@@ -44,6 +46,9 @@ POOL_WAIT_S = 30.0
 _LOCATION_OPTIONS = ("host", "port", "path", "connection_class")
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
 class RedisSettings(Protocol):
     """The fields of a service's settings that :func:`connect` reads."""
 
@@ -51,20 +56,37 @@ class RedisSettings(Protocol):
     redis_sentinels: tuple[str, ...]
     redis_master_name: str
     redis_sentinel_password: str
+    key_prefix: str
 
 
-def redis_sentinels_setting() -> Any:
-    return setting((), help="comma-separated Redis Sentinel addresses host:port; when set, the primary is the one "
-                            "they name (--redis-master-name) and the Redis URL only gives credentials, database and "
-                            "TLS (rediss://)")
+@dataclass(frozen=True, kw_only=True)
+class RedisConfig:
+    """How a service reaches Redis and names its keys (every service's settings inherit it)."""
+
+    redis_url: str = setting("", help=f"Redis URL; user, password, database and rediss:// TLS apply with "
+                                      f"--redis-sentinels too (empty: {DEFAULT_REDIS_URL} for a gateway or a "
+                                      f"scheduler; a worker without one does not register; pagedserve serve starts "
+                                      f"a Redis of its own)")
+    redis_sentinels: tuple[str, ...] = setting(
+        (), help="comma-separated Redis Sentinel addresses host:port; when set, the primary is the one they name "
+                 "(--redis-master-name) and the Redis URL only gives credentials, database and TLS (rediss://)")
+    redis_master_name: str = setting(DEFAULT_MASTER_NAME, help="name the Sentinels monitor the primary under")
+    redis_sentinel_password: str = setting("", help="password of the Sentinels themselves (their requirepass; "
+                                                    "empty: none)")
+    key_prefix: str = setting(DEFAULT_PREFIX, help="prefix of every Redis key, so two stacks can share one Redis")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        validate(self)
 
 
-def redis_master_name_setting() -> Any:
-    return setting(DEFAULT_MASTER_NAME, help="name the Sentinels monitor the primary under")
+@dataclass(frozen=True, kw_only=True)
+class OutputStreamConfig:
+    """How long output streams stay readable: set by gateways at admission, kept by schedulers on
+    every write."""
 
-
-def redis_sentinel_password_setting() -> Any:
-    return setting("", help="password of the Sentinels themselves (their requirepass; empty: none)")
+    output_ttl_s: int = setting(600, minimum=1, help="output streams expire this many seconds after their last "
+                                                     "entry (resume window)")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -76,8 +98,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def validate(settings: RedisSettings) -> None:
-    """Raise ValueError naming the field when the Redis settings cannot work (call from
-    ``__post_init__``)."""
+    """Raise ValueError naming the field when the Redis settings cannot work."""
     for address in settings.redis_sentinels:
         parse_address(address)
     if settings.redis_sentinels and not settings.redis_master_name:
@@ -86,11 +107,18 @@ def validate(settings: RedisSettings) -> None:
         from redis.asyncio.connection import parse_url
 
         parse_url(settings.redis_url)  # raises ValueError naming what is wrong
+    RedisKeys(settings.key_prefix)  # raises ValueError when the prefix cannot name keys
 
 
 def uses_redis(settings: RedisSettings) -> bool:
     """Whether the settings name a Redis at all (a worker may run without one)."""
     return bool(settings.redis_url or settings.redis_sentinels)
+
+
+def server_url(settings: RedisSettings) -> str:
+    """The URL of the one Redis server a gateway or scheduler uses without Sentinels: ``redis_url``,
+    or ``DEFAULT_REDIS_URL`` when it is empty."""
+    return settings.redis_url or DEFAULT_REDIS_URL
 
 
 def uses_sentinel(settings: RedisSettings) -> bool:
@@ -138,7 +166,7 @@ def connect(settings: RedisSettings):
 
     pool_limits = {"max_connections": MAX_CONNECTIONS, "timeout": POOL_WAIT_S}
     if not settings.redis_sentinels:
-        options = parse_url(settings.redis_url)  # what BlockingConnectionPool.from_url passes on
+        options = parse_url(server_url(settings))  # what BlockingConnectionPool.from_url passes on
         options["connection_class"] = _fast_packing(options.get("connection_class", Connection))
         return aioredis.Redis.from_pool(BlockingConnectionPool(**options, **pool_limits))
     from redis.asyncio.sentinel import (Sentinel, SentinelConnectionPool, SentinelManagedConnection,
@@ -202,7 +230,7 @@ async def check_credentials(client, settings: RedisSettings) -> None:
             return
         await client.aclose()
         raise StartupError(
-            f"redis_url (PAGEDSERVE_REDIS_URL): Redis at {redacted(settings.redis_url)} refused this client: {exc}. "
+            f"redis_url (PAGEDSERVE_REDIS_URL): Redis at {redacted(server_url(settings))} refused this client: {exc}. "
             "Put the user and password in the URL (redis://USER:PASSWORD@host:6379/0, or redis://:PASSWORD@host "
             "for requirepass)") from None
     except RedisError:

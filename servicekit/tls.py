@@ -22,6 +22,8 @@ import os
 
 import grpc
 
+from servicekit.contract.settings import setting
+
 log = logging.getLogger(__name__)
 
 
@@ -46,6 +48,33 @@ class TlsFiles:
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
                 raise ValueError(f"tls_{name}: cannot read {path!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TlsConfig:
+    """A service's TLS files (its settings inherit them); :attr:`tls` is them as :class:`TlsFiles`.
+    Whether a service serves or dials with them, and whether client certificates are required,
+    is the service's: see its ``--help`` and docs/operations.md."""
+
+    tls_cert_file: str = setting("", help="PEM certificate this service presents (with --tls-key-file; empty: no "
+                                          "TLS)")
+    tls_key_file: str = setting("", help="PEM private key of --tls-cert-file (mount it read-only)")
+    tls_ca_file: str = setting("", help="PEM CA certificate: a server requires client certificates it signed "
+                                        "(mutual TLS); a client (the scheduler dialing workers) verifies its servers "
+                                        "with it, and setting it turns TLS to them on")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InternalLinkConfig(TlsConfig):
+    """The link between schedulers and workers: TLS and/or a shared token."""
+
+    internal_token: str = setting("", secret=True, help="shared secret every internal RPC carries (authorization: "
+                                                        "Bearer ...), checked by workers and schedulers; prefer the "
+                                                        "env var or a compose secret to the flag (empty: none)")
 
 
 def describe(files: TlsFiles | None, *, token: bool = False) -> str:

@@ -1,14 +1,26 @@
-"""Settings of one model runner (frozen, validated at construction)."""
+"""A worker's settings: what its model runner loads and how big its KV cache and batch are
+(:class:`ModelRunnerConfig`, which the in-process ``LLM`` takes too), and the worker service around
+it (:class:`WorkerConfig`). Frozen, range-checked by each field's declaration."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import socket
+import uuid
+from dataclasses import dataclass, field
 
 from kernels import BACKENDS as ATTENTION_BACKENDS
+from servicekit import redis_client
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.flags import setting
-from worker_service.loader import describe_auto_dtype
+from servicekit.contract.scheduling import BatchLimits
+from servicekit.contract.settings import check_settings, setting
+from servicekit.model_registry import ModelConfig
+from servicekit.ports import WORKER_PORT
+from servicekit.redis_client import RedisConfig
+from servicekit.service_config import PORT_RANGE, MetricsConfig, ServerConfig
+from servicekit.tls import InternalLinkConfig
+from worker_service.loader import AUTO_DTYPE_RULE, auto_dtype_here
+from worker_service.simulated_runner import parse_step_latency
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -32,36 +44,31 @@ def parse_memory(value: str | int, field: str = "kv_cache_memory") -> int:
     return size
 
 
-@dataclass(frozen=True, slots=True)
-class ModelRunnerConfig:
+@dataclass(frozen=True, kw_only=True)
+class ModelRunnerConfig(ModelConfig, BatchLimits):
     """What a worker needs to load a model and size its KV cache and persistent batch.
 
     KV-cache size, first match wins: ``num_blocks`` (exact, incl. the null block) →
     ``kv_cache_memory`` (bytes) → on CUDA the memory free after loading the weights minus a headroom
     of ``1 - gpu_memory_fraction`` of the device's total memory and an activation reserve
     (``worker_service.kv_cache.cuda_kv_budget``) → on CPU ``DEFAULT_CPU_KV_CACHE_MEMORY``. Never more blocks than ``max_num_seqs``
-    full-length sequences can use.
+    full-length sequences can use. The batch limits (``max_num_seqs``, ``max_num_batched_tokens``,
+    ``prefill_chunk_attention_limit``) are :class:`BatchLimits`, shared with the scheduler.
     """
 
-    model: str = setting("smollm2-135m", help="short name (smollm2-135m), Hugging Face folder, or .gguf file")
     dtype: str = setting("auto", choices=DTYPES,
-                         help=f"weights, activations and KV-cache dtype; {describe_auto_dtype()}")
+                         help=f"weights, activations and KV-cache dtype; {AUTO_DTYPE_RULE}", host_note=auto_dtype_here)
     device: str | None = setting(None, type=str, help="torch device (default: cuda if available, else cpu)")
-    block_size: int = setting(16, help="tokens per KV-cache block")
-    max_num_seqs: int = setting(128, help="rows of the persistent batch")
-    max_num_batched_tokens: int = setting(2048, help="tokens per step at most")
-    max_model_len: int | None = setting(None, type=int,
+    block_size: int = setting(16, minimum=1, help="tokens per KV-cache block")
+    max_model_len: int | None = setting(None, type=int, minimum=1,
                                         help="prompt + output tokens at most (default: the model's "
                                              "max_position_embeddings)")
     kv_cache_memory: str | int | None = setting(
         None, type=str, help="KV-cache budget such as 2GiB (default: from free GPU memory, 1GiB on CPU)")
     gpu_memory_fraction: float = setting(
-        0.9, help="share of the GPU's total memory this worker may hold; the rest stays free as headroom")
-    num_blocks: int | None = setting(None, type=int, help="exact KV blocks incl. the null block (default: from "
+        0.9, above=0, maximum=1, help="share of the GPU's total memory this worker may hold; the rest stays free as headroom")
+    num_blocks: int | None = setting(None, type=int, minimum=2, help="exact KV blocks incl. the null block (default: from "
                                                           "memory)")
-    prefill_chunk_attention_limit: int = setting(
-        -1, help="key positions one prefill chunk should attend at most (tokens x context), stated to schedulers "
-                 "so a step stays short at any context (-1: 1048576 on a CPU, no limit on CUDA; 0: no limit)")
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="paged-attention implementation: " + "; ".join(
         f"{name} = {what}" for name, what in ATTENTION_BACKENDS.items()))
     # CPU tuning (no effect on CUDA)
@@ -76,25 +83,47 @@ class ModelRunnerConfig:
     DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidArgumentError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidArgumentError(
-                "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
-        if (isinstance(self.prefill_chunk_attention_limit, bool) or not isinstance(self.prefill_chunk_attention_limit, int)
-                or self.prefill_chunk_attention_limit < -1):
-            raise InvalidArgumentError("prefill_chunk_attention_limit",
-                                       f"must be -1 (auto), 0 (no limit) or positive, got {self.prefill_chunk_attention_limit!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(name, f"must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            raise InvalidArgumentError("max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 2):
-            raise InvalidArgumentError("num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks!r}")
+        ModelConfig.__post_init__(self)
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise InvalidArgumentError("gpu_memory_fraction", f"must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(ServerConfig, MetricsConfig, RedisConfig, InternalLinkConfig):
+    """Every knob of a worker (the model runner's in ``runner``); each field is also a flag and an
+    env var. With a Redis URL (or Sentinels) the worker registers itself; without, it does not."""
+
+    runner: ModelRunnerConfig = field(default_factory=ModelRunnerConfig)  # what to load, KV cache, batch
+    port: int = setting(WORKER_PORT, **PORT_RANGE, help="port to listen on (0 = any free port)")
+    advertise_address: str = setting("", help="host:port schedulers should dial (default: derived from "
+                                              "--host/--port)")
+    worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
+    heartbeat_ttl_s: float = setting(10.0, minimum=1, help="registry entry lifetime in seconds; refreshed every "
+                                                           "third of it")
+    bind_cpu_threads: bool = setting(True, help="CPU worker using every allowed CPU: pin the forward pass's OpenMP "
+                                                "threads one per CPU and the gRPC/event-loop threads to the runner's "
+                                                "CPU (worker_service/cpu_affinity.py)")
+    step_delay_s: float = setting(0.0, minimum=0, help="testing only: sleep this long after every step (throttles "
+                                                       "generation so chaos tests can kill processes mid-generation)")
+    # SIMULATION (benchmarks/scale.py only): (a, b) replaces the model by a sleep of a + b x tokens.
+    simulate_step_latency: tuple[float, float] | None = setting(
+        None, type=parse_step_latency, help="SIMULATION for control-plane benchmarks only: 'a,b' runs no model; each "
+                                            "step sleeps a + b x scheduled tokens seconds and returns made-up "
+                                            "deterministic tokens (default: off)")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        self.tls.check(server=True)
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError("tls_ca_file: a worker with TLS must require client certificates (give the CA that "
+                             "signs the schedulers' certificates)")
+        redis_client.validate(self)
+
+    def address_for(self, port: int) -> str:
+        """The address to advertise once listening on ``port``."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostbyname(socket.gethostname())  # reachable from other containers
+        return f"{host}:{port}"

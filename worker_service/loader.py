@@ -58,15 +58,23 @@ def choose_dtype(name: str, device: torch.device, hf_config: Any | None = None) 
     return DtypeChoice(torch.bfloat16, "auto: bfloat16 on CUDA (the checkpoint names no 16-bit type)")
 
 
+AUTO_DTYPE_RULE = (f"auto = bfloat16 on a CPU with {' or '.join(BF16_CPU_FLAGS)}, else float32; "
+                   "on CUDA the checkpoint's 16-bit type, else bfloat16")
+
+
+def auto_dtype_here(device: torch.device | None = None) -> str:
+    """What ``auto`` picks on ``device`` (default: this machine's), as ``" (here: ...)"``; empty on
+    CUDA, where it depends on the checkpoint."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cpu":
+        return ""
+    choice = choose_dtype("auto", device)
+    return f" (here: {choice.name}, {choice.reason.removeprefix('auto: ')})"
+
+
 def describe_auto_dtype(device: torch.device | None = None) -> str:
     """What ``auto`` means, and what it picks on ``device`` (default: this machine's), for ``--help``."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rule = (f"auto = bfloat16 on a CPU with {' or '.join(BF16_CPU_FLAGS)}, else float32; "
-            "on CUDA the checkpoint's 16-bit type, else bfloat16")
-    if device.type != "cpu":
-        return rule
-    choice = choose_dtype("auto", device)
-    return f"{rule} (here: {choice.name}, {choice.reason.removeprefix('auto: ')})"
+    return AUTO_DTYPE_RULE + auto_dtype_here(device)
 
 
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:

@@ -1,7 +1,7 @@
 """``pagedserve worker``: one model worker — weights, KV cache, forward passes — behind gRPC.
 
 Settings come from flags and ``PAGEDSERVE_*`` environment variables (``--help`` lists both) and
-are frozen into :class:`WorkerSettings` once, here. With a Redis URL the worker registers itself
+are frozen into :class:`~worker_service.config.WorkerConfig` once, here. With a Redis URL the worker registers itself
 under ``{prefix}workers:{worker_id}`` and keeps the entry alive with a heartbeat, so schedulers can
 find it and gateways can learn the model's limits.
 """
@@ -12,110 +12,22 @@ import argparse
 import asyncio
 import functools
 import logging
-import socket
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from servicekit import redis_client
-from servicekit.flags import (
-    check_port,
-    drain_grace_setting,
-    internal_token_setting,
-    key_prefix_setting,
-    metrics_port_setting,
-    redis_url_setting,
-    service_parser,
-    setting,
-    settings_kwargs,
-    tls_ca_setting,
-    tls_cert_setting,
-    tls_key_setting,
-)
+from servicekit.flags import service_parser, settings_kwargs
 from servicekit.metrics import MetricsPort
-from servicekit.ports import WORKER_PORT
 from servicekit.redis_keys import RedisKeys
 from servicekit.registry import Heartbeat
 from servicekit.serving import is_loopback, service_main
-from servicekit.tls import TlsFiles
 from servicekit.tls import describe as describe_link
-from worker_service.config import ModelRunnerConfig
+from worker_service.config import ModelRunnerConfig, WorkerConfig
 from worker_service.metrics import WorkerCollector
-from worker_service.simulated_runner import parse_step_latency
 
 log = logging.getLogger("pagedserve.worker")
-
-DEFAULT_PORT = WORKER_PORT
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    """Every knob of a worker (the model runner's in ``runner``); each field declared with
-    ``setting`` is also a flag and an env var."""
-
-    runner: ModelRunnerConfig  # what to load and how big the KV cache and batch are
-    host: str = setting("127.0.0.1", help="interface to listen on (0.0.0.0 in containers)")
-    port: int = setting(DEFAULT_PORT, help="port to listen on (0 = any free port)")
-    metrics_port: int = metrics_port_setting()
-    advertise_address: str = setting("", help="host:port schedulers should dial (default: derived from "
-                                              "--host/--port)")
-    worker_id: str = setting(default_factory=lambda: uuid.uuid4().hex[:12], help="registry id")
-    redis_url: str = redis_url_setting("")
-    redis_sentinels: tuple[str, ...] = redis_client.redis_sentinels_setting()
-    redis_master_name: str = redis_client.redis_master_name_setting()
-    redis_sentinel_password: str = redis_client.redis_sentinel_password_setting()
-    key_prefix: str = key_prefix_setting()
-    heartbeat_ttl_s: float = setting(10.0, help="registry entry lifetime in seconds; refreshed every third of it")
-    drain_grace_s: float = drain_grace_setting()
-    bind_cpu_threads: bool = setting(True, help="CPU worker using every allowed CPU: pin the forward pass's OpenMP "
-                                                "threads one per CPU and the gRPC/event-loop threads to the runner's "
-                                                "CPU (worker_service/cpu_affinity.py)")
-    step_delay_s: float = setting(0.0, help="testing only: sleep this long after every step (throttles "
-                                            "generation so chaos tests can kill processes mid-generation)")
-    # SIMULATION (benchmarks/scale.py only): (a, b) replaces the model by a sleep of a + b x tokens.
-    simulate_step_latency: tuple[float, float] | None = setting(
-        None, type=parse_step_latency, help="SIMULATION for control-plane benchmarks only: 'a,b' runs no model; each "
-                                            "step sleeps a + b x scheduled tokens seconds and returns made-up "
-                                            "deterministic tokens (default: off)")
-
-    # Security (README "Security"): mutual TLS with the schedulers and/or a shared token.
-    tls_cert_file: str = tls_cert_setting("the worker")
-    tls_key_file: str = tls_key_setting()
-    tls_ca_file: str = tls_ca_setting("schedulers must present a certificate it signed (mutual TLS; required with "
-                                      "--tls-cert-file)")
-    internal_token: str = internal_token_setting()
-
-    @property
-    def tls(self) -> TlsFiles:
-        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
-
-    def __post_init__(self) -> None:
-        self.tls.check(server=True)
-        if self.tls_cert_file and not self.tls_ca_file:
-            raise ValueError("tls_ca_file: a worker with TLS must require client certificates (give the CA that "
-                             "signs the schedulers' certificates)")
-        check_port("port", self.port)
-        check_port("metrics_port", self.metrics_port, allow_off=True)
-        if self.heartbeat_ttl_s < 1:
-            raise ValueError(f"heartbeat_ttl_s: must be >= 1, got {self.heartbeat_ttl_s}")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
-        if self.step_delay_s < 0:
-            raise ValueError(f"step_delay_s: must be >= 0, got {self.step_delay_s}")
-        redis_client.validate(self)
-        RedisKeys(self.key_prefix)  # validates the prefix
-
-    def address_for(self, port: int) -> str:
-        """The address to advertise once listening on ``port``."""
-        if self.advertise_address:
-            return self.advertise_address
-        host = self.host
-        if host in ("", "0.0.0.0", "::", "[::]"):
-            host = socket.gethostbyname(socket.gethostname())  # reachable from other containers
-        return f"{host}:{port}"
-
 
 class WorkerApp:
     """A running worker: model runner + gRPC server (+ registry heartbeat). ``runner`` may be
@@ -123,7 +35,7 @@ class WorkerApp:
     ``whole_process``: the worker is all its process runs (``pagedserve worker``), so it may pin the
     process's threads (``--bind-cpu-threads``); a worker started inside another program never does."""
 
-    def __init__(self, settings: WorkerSettings, runner=None, *, whole_process: bool = False) -> None:
+    def __init__(self, settings: WorkerConfig, runner=None, *, whole_process: bool = False) -> None:
         self.settings = settings
         self._runner = runner
         self._whole_process = whole_process
@@ -220,17 +132,17 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                     "internal Worker gRPC API (Describe, Step stream, Reset) plus grpc.health.v1 and "
                     "reflection. A scheduler drives it; with --redis-url it registers itself so schedulers "
                     "and gateways find it. SIGTERM: leave the registry, report NOT_SERVING, finish held "
-                    "requests within --drain-grace-s, exit.", env, ModelRunnerConfig, WorkerSettings)
+                    "requests within --drain-grace-s, exit.", env, ModelRunnerConfig, WorkerConfig)
 
 
-def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    kwargs = settings_kwargs(WorkerSettings, args)
+def settings_from_args(args: argparse.Namespace) -> WorkerConfig:
+    kwargs = settings_kwargs(WorkerConfig, args)
     if kwargs.get("simulate_step_latency") and "worker_id" not in kwargs:
         kwargs["worker_id"] = "sim-" + uuid.uuid4().hex[:8]
-    return WorkerSettings(runner=ModelRunnerConfig(**settings_kwargs(ModelRunnerConfig, args)), **kwargs)
+    return WorkerConfig(runner=ModelRunnerConfig(**settings_kwargs(ModelRunnerConfig, args)), **kwargs)
 
 
-def make_app(settings: WorkerSettings) -> WorkerApp:
+def make_app(settings: WorkerConfig) -> WorkerApp:
     return WorkerApp(settings, whole_process=True)
 
 

@@ -1,7 +1,6 @@
 """The scheduler core: pure Python, standard library only (a test enforces it)."""
 
 from scheduler_service.core.block_pool import BlockPool
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.kv_cache_utils import FreeBlockQueue, KVCacheBlock, hash_block_tokens
 from scheduler_service.core.request import Request, RequestStatus
@@ -9,6 +8,7 @@ from scheduler_service.core.scheduler import Scheduler, SchedulerStats
 from scheduler_service.core.waiting_queue import FCFSWaitingQueue, PriorityWaitingQueue, create_waiting_queue
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -23,6 +23,6 @@ from servicekit.contract.worker import WorkerDescription
 __all__ = [
     "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSWaitingQueue", "FinishReason", "FreeBlockQueue",
     "InvalidArgumentError", "KVCacheBlock", "KVCacheManager", "ModelRunnerOutput", "NewRequestData",
-    "PriorityWaitingQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "PriorityWaitingQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulingConfig",
     "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "WorkerDescription", "create_waiting_queue", "hash_block_tokens",
 ]

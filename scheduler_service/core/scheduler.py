@@ -13,12 +13,12 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_service.core.config import MIN_PREFILL_CHUNK_TOKENS, SchedulerConfig
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.waiting_queue import create_waiting_queue
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
+from servicekit.contract.scheduling import MIN_PREFILL_CHUNK_TOKENS, SchedulingConfig
 from servicekit.contract.step import (
     CachedRequestData,
     EngineCoreOutput,
@@ -66,8 +66,9 @@ class Scheduler:
       cache (``KVCacheManager.free``) before any admission could hit them.
     """
 
-    def __init__(self, config: SchedulerConfig, worker: WorkerDescription, *,
+    def __init__(self, config: SchedulingConfig, worker: WorkerDescription, *,
                  seed_rng: random.Random | None = None) -> None:
+        config = config.for_worker(worker)  # within the worker's limits; -1: the worker's attention cap
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < worker.max_model_len:
             # Without chunking a resumed request (prompt + outputs, up to max_model_len tokens) must
             # fit in one step, or it would wait forever.

@@ -204,9 +204,9 @@ async def test_a_gateway_without_generate_many_gets_generate_calls():
 
 async def test_starts_past_max_concurrent_streams_wait_for_a_seat(stack, hf_tokenizer):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=-1, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=-1, redis_url=stack.redis_url,
                                          max_concurrent_streams=2), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:
@@ -306,9 +306,9 @@ async def test_a_client_that_stops_reading_has_its_generations_cut_off_and_abort
     writes stall): past --max-buffered-outputs chunks the requests are aborted without waiting for
     the client, which then gets what was sent and RESOURCE_EXHAUSTED."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=-1, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=-1, redis_url=stack.redis_url,
                                          max_buffered_outputs=4), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     before = (await scheduler_stats(stack.scheduler_address)).num_aborted

@@ -531,9 +531,9 @@ async def test_echo_and_cache_salt_are_applied(stack):
 
 async def test_a_draining_gateway_answers_503_and_finishes_live_http_streams(stack, hf_tokenizer):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
                                          read_block_ms=200), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
@@ -555,9 +555,9 @@ async def test_a_drain_past_its_grace_answers_live_http_calls_503(stack, hf_toke
     """A whole (non-streamed) HTTP call still running when the drain grace ends gets OpenAI's 503
     error, not the ASGI server's bare 500 when it cancels the call."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
                                          read_block_ms=200), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     base_url = f"http://127.0.0.1:{gateway.http_port}/v1"

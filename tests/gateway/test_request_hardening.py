@@ -59,11 +59,11 @@ async def test_a_10mb_text_is_refused_by_its_size_and_health_keeps_answering(sta
 
 async def test_health_answers_while_a_large_prompt_is_tokenized(stack, hf_tokenizer):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
     # A gateway whose size limit lets 2 MB through (as a 128k-token model's would), so the
     # tokenizer really works on it before the prompt is refused for its token count.
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200,
                                          prompt_bytes_per_token=10_000), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     address = f"127.0.0.1:{gateway.port}"
@@ -172,9 +172,9 @@ async def test_more_streams_than_a_connection_may_open_queue_at_the_client_and_a
     calls cancelled mid-stream meanwhile (gRPC's default server counting also refused streams the
     client had already closed)."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
                                          read_block_ms=200, max_concurrent_streams=4), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:

@@ -196,7 +196,7 @@ async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_que
     import redis.asyncio as aioredis
 
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from servicekit.contract.worker import WorkerDescription
     from servicekit.redis_keys import RedisKeys
     from servicekit.registry import Heartbeat
@@ -209,7 +209,7 @@ async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_que
         block_size=info.block_size, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids), ttl_s=30)
     await heartbeat.start()
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
                                          key_prefix=prefix, max_queued_requests=max_queued, read_block_ms=200,
                                          **settings),
                          hf_tokenizer=hf_tokenizer)
@@ -228,24 +228,25 @@ async def in_process_stack(model_dir: str, hf_model, hf_tokenizer, redis_url: st
     """Worker (real model runner), scheduler (``scheduler_options`` added to its settings) and
     gateway in this process, on free ports, using the keys under ``key_prefix``."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
     from worker_service.config import ModelRunnerConfig
-    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.config import WorkerConfig
+    from worker_service.main import WorkerApp
     from worker_service.model_runner import ModelRunner
 
     runner = ModelRunner(ModelRunnerConfig(model=model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
                                            dtype=DTYPE), hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, metrics_port=0, redis_url=redis_url,
+    worker = WorkerApp(WorkerConfig(runner=runner.config, port=0, metrics_port=0, redis_url=redis_url,
                                       key_prefix=key_prefix, drain_grace_s=2), runner=runner)
     await worker.start()
-    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_url, workers=(worker.address,), port=0,
+    scheduler = SchedulerApp(SchedulerConfig(redis_url=redis_url, workers=(worker.address,), port=0,
                                                metrics_port=0, key_prefix=key_prefix, poll_block_ms=200,
                                                drain_grace_s=2, **scheduler_options))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=model_dir, port=0, http_port=0, redis_url=redis_url,
+    gateway = GatewayApp(GatewayConfig(model=model_dir, port=0, http_port=0, redis_url=redis_url,
                                          key_prefix=key_prefix, read_block_ms=200, drain_grace_s=2),
                          hf_tokenizer=hf_tokenizer)
     await gateway.start()

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
 from .test_engine_loop import INFO, ScriptedWorker, make_request
@@ -17,7 +17,7 @@ from .test_stream_interval import LosableWorker, RecordingQueue
 
 
 def make_engine(queue, worker, *, async_scheduling: bool, on_lost=None) -> WorkerEngine:
-    core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
+    core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
     return WorkerEngine(worker, replace(INFO, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64), core, queue,
                         max_queued=8, on_finished=lambda n, a: None, on_lost=on_lost,
                         async_scheduling=async_scheduling)

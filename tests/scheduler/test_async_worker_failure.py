@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
 from scheduler_service.worker_client import connect
@@ -65,7 +65,7 @@ async def failing_worker(fail_at: int):
 @pytest.mark.parametrize("fail_at", [2, 3, 4, 5, 6, 7])
 async def test_a_failed_step_under_a_planned_one_hands_the_requests_back(fail_at):
     async with failing_worker(fail_at) as (client, description):
-        core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
+        core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
         queue, handed = RecordingQueue(), []
         engine = WorkerEngine(client, replace(description, worker_id="w"), core, queue, max_queued=8,
                               on_finished=lambda n, a: None, on_lost=lambda e, requests: handed.extend(requests),
@@ -87,7 +87,7 @@ async def test_a_write_after_the_worker_ended_the_stream_is_a_lost_worker():
     from scheduler_service.worker_client import WorkerLostError
 
     async with failing_worker(1) as (client, description):
-        core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
+        core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
         core.add_request(make_request("a", max_tokens=4))
         await client.send(core.schedule())  # fails on the worker at once
         for _ in range(100):
@@ -132,7 +132,7 @@ async def test_a_step_sent_ahead_starts_when_the_one_before_ends_not_when_the_ev
     await server.start()
     client, description = await connect(f"127.0.0.1:{port}")
     try:
-        core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
+        core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
         core.add_request(make_request("a", max_tokens=8))
         first = core.schedule()
         await client.send(first)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
@@ -65,7 +65,7 @@ class GatedQueue:
 
 
 def make_engine(queue) -> WorkerEngine:
-    core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
+    core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
     return WorkerEngine(ScriptedWorker(), replace(INFO, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64), core, queue, max_queued=8,
                         on_finished=lambda n, a: None)
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.routing import choose_engine
@@ -24,7 +24,7 @@ class FakeEngine:
     def __init__(self, name: str, load: int = 0, max_num_seqs: int = 4, num_blocks: int = INFO.num_blocks) -> None:
         self.name = name
         info = dataclasses.replace(INFO, num_blocks=num_blocks)
-        self.core = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), info)
+        self.core = Scheduler(SchedulingConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), info)
         self.load = load
 
     def fits(self, request: Request) -> bool:

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.engine import WorkerEngine
-from scheduler_service.settings import SchedulerSettings
+from scheduler_service.config import SchedulerConfig
 from scheduler_service.stream_interval import StreamBatcher
 from servicekit.contract.step import EngineCoreOutput, FinishReason, TokenLogprobs
 from servicekit.proto.pb import queue_pb2
@@ -63,7 +63,7 @@ def test_flush_forget_and_bad_interval():
     with pytest.raises(ValueError, match="stream interval"):
         StreamBatcher(0)
     with pytest.raises(ValueError, match="stream_interval"):
-        SchedulerSettings(stream_interval=0)
+        SchedulerConfig(stream_interval=0)
 
 
 @pytest.mark.parametrize("interval", [1, 2, 3, 7])
@@ -137,7 +137,7 @@ class LosableWorker(ScriptedWorker):
 
 
 def make_engine(queue, worker, interval: int, on_lost=None) -> WorkerEngine:
-    core = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
+    core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), INFO)
     return WorkerEngine(worker, replace(INFO, worker_id="w", max_num_seqs=8, max_num_batched_tokens=64), core, queue,
                         max_queued=8, on_finished=lambda n, a: None, on_lost=on_lost, stream_interval=interval)
 

@@ -87,11 +87,12 @@ async def secure_stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server, pki
     """Worker (mTLS server), scheduler (mTLS client; its admin server TLS too) and gateway (TLS,
     API keys from a file) in this process, on free ports."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
     from worker_service.config import ModelRunnerConfig
-    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.config import WorkerConfig
+    from worker_service.main import WorkerApp
     from worker_service.model_runner import ModelRunner
 
     keys_file = pki.folder / "api-keys.txt"
@@ -99,18 +100,18 @@ async def secure_stack(tiny_model_dir, hf_model, hf_tokenizer, redis_server, pki
     runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS),
                          hf_model=hf_model)
     w = pki.worker
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_server.url, key_prefix=PREFIX,
+    worker = WorkerApp(WorkerConfig(runner=runner.config, port=0, redis_url=redis_server.url, key_prefix=PREFIX,
                                       drain_grace_s=2, tls_cert_file=w.cert_file, tls_key_file=w.key_file,
                                       tls_ca_file=w.ca_file), runner=runner)
     await worker.start()
     s = pki.scheduler
-    scheduler = SchedulerApp(SchedulerSettings(
+    scheduler = SchedulerApp(SchedulerConfig(
         redis_url=redis_server.url, key_prefix=PREFIX, workers=(worker.address,), port=0, poll_block_ms=200,
         drain_grace_s=2, tls_cert_file=s.cert_file, tls_key_file=s.key_file, tls_ca_file=s.ca_file))
     await scheduler.start()
     await scheduler.wait_for_workers(1, timeout_s=30)
     g = pki.gateway
-    gateway = GatewayApp(GatewaySettings(
+    gateway = GatewayApp(GatewayConfig(
         model=tiny_model_dir, port=0, redis_url=redis_server.url, key_prefix=PREFIX, read_block_ms=200,
         drain_grace_s=2, api_keys_file=str(keys_file), tls_cert_file=g.cert_file, tls_key_file=g.key_file, http_port=0,
         max_requests_per_key=MAX_REQUESTS_PER_KEY, max_buffered_outputs=MAX_BUFFERED_OUTPUTS),

@@ -76,27 +76,28 @@ def _role_url(made_secrets: Path, role: str, port: int) -> str:
 
 async def test_the_made_secrets_run_the_stack_end_to_end(made_secrets, acl_redis, tiny_model_dir, hf_tokenizer):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from pagedserve.aio_client import AsyncClient
     from pagedserve.errors import UnauthenticatedError
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
     from servicekit.tls import TlsFiles
     from worker_service.config import ModelRunnerConfig
-    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.config import WorkerConfig
+    from worker_service.main import WorkerApp
 
     tls = made_secrets / "tls"
     token = (made_secrets / "secrets/internal_token").read_text().strip()
-    worker = WorkerApp(WorkerSettings(
+    worker = WorkerApp(WorkerConfig(
         runner=ModelRunnerConfig(model=tiny_model_dir, num_blocks=64), port=0, simulate_step_latency=(0.0, 0.0),
         redis_url=_role_url(made_secrets, "worker", acl_redis), internal_token=token, drain_grace_s=1,
         tls_cert_file=str(tls / "worker.pem"), tls_key_file=str(tls / "worker.key"), tls_ca_file=str(tls / "ca.pem")))
     await worker.start()
-    scheduler = SchedulerApp(SchedulerSettings(
+    scheduler = SchedulerApp(SchedulerConfig(
         redis_url=_role_url(made_secrets, "scheduler", acl_redis), port=0, poll_block_ms=200, drain_grace_s=1,
         internal_token=token, tls_cert_file=str(tls / "scheduler.pem"), tls_key_file=str(tls / "scheduler.key"),
         tls_ca_file=str(tls / "ca.pem"), tls_server_name="worker"))  # workers found in the registry
-    gateway = GatewayApp(GatewaySettings(
+    gateway = GatewayApp(GatewayConfig(
         model=tiny_model_dir, port=0, redis_url=_role_url(made_secrets, "gateway", acl_redis), read_block_ms=200,
         drain_grace_s=1, api_keys_file=str(made_secrets / "secrets/api_keys"), tls_cert_file=str(tls / "gateway.pem"),
         tls_key_file=str(tls / "gateway.key"), reflection=False), hf_tokenizer=hf_tokenizer)

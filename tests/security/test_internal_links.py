@@ -77,9 +77,10 @@ async def test_the_stack_serves_end_to_end_with_mtls_on_internal_links(secure_st
 async def token_worker(tiny_model_dir):
     """A plaintext worker (simulated runner: no model) that wants the internal token."""
     from worker_service.config import ModelRunnerConfig
-    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.config import WorkerConfig
+    from worker_service.main import WorkerApp
 
-    app = WorkerApp(WorkerSettings(runner=ModelRunnerConfig(model=tiny_model_dir, num_blocks=64), port=0,
+    app = WorkerApp(WorkerConfig(runner=ModelRunnerConfig(model=tiny_model_dir, num_blocks=64), port=0,
                                    internal_token=TOKEN, simulate_step_latency=(0.0, 0.0), drain_grace_s=1))
     await app.start()
     yield app
@@ -108,12 +109,12 @@ async def test_without_tls_every_internal_rpc_needs_the_token(token_worker, meta
 
 async def test_a_scheduler_with_the_token_drives_a_token_worker(token_worker, redis_server):
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
 
     client, description = await connect(token_worker.address, timeout_s=5, token=TOKEN)
     await client.close()
     assert description.worker_id == token_worker.settings.worker_id
-    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_server.url, key_prefix="sectok:", port=0,
+    scheduler = SchedulerApp(SchedulerConfig(redis_url=redis_server.url, key_prefix="sectok:", port=0,
                                                workers=(token_worker.address,), internal_token=TOKEN,
                                                poll_block_ms=200, drain_grace_s=1))
     await scheduler.start()

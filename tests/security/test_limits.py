@@ -34,12 +34,12 @@ async def test_a_key_past_its_tokens_per_minute_is_resource_exhausted(secure_sta
     """A second gateway on the secure stack's Redis (plaintext, keys given inline) with a budget
     of 30 tokens per key per minute: a key is refused once it spent that, the other is not."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from pagedserve.errors import ResourceExhaustedError
 
     from .conftest import PREFIX
 
-    gateway = GatewayApp(GatewaySettings(
+    gateway = GatewayApp(GatewayConfig(
         model=secure_stack.model, port=0, redis_url=secure_stack.gateway.settings.redis_url, key_prefix=PREFIX,
         read_block_ms=200, drain_grace_s=1, api_keys=(KEYS["alice"], KEYS["bob"]), max_tokens_per_key_per_minute=30),
         hf_tokenizer=hf_tokenizer)

@@ -82,9 +82,9 @@ def test_a_service_without_the_password_exits_with_one_line(locked_redis, tiny_m
 
 async def test_a_scheduler_with_the_acl_user_starts_and_drains(locked_redis):
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
 
-    app = SchedulerApp(SchedulerSettings(redis_url=_url(locked_redis, f"{USER}:{USER_PASSWORD}@"),
+    app = SchedulerApp(SchedulerConfig(redis_url=_url(locked_redis, f"{USER}:{USER_PASSWORD}@"),
                                          key_prefix="secacl:", port=0, poll_block_ms=100, drain_grace_s=1))
     await app.start()
     await app.drain(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway_service.settings import GatewaySettings
+from gateway_service.config import GatewayConfig
 from servicekit import redis_client
 
 SENTINELS = ("10.0.0.1:26379", "sentinel-b:26380")
@@ -16,7 +16,7 @@ SENTINELS = ("10.0.0.1:26379", "sentinel-b:26380")
 def test_one_url_makes_a_plain_client():
     from redis.asyncio.sentinel import SentinelConnectionPool
 
-    client = redis_client.connect(GatewaySettings(redis_url="redis://127.0.0.1:7001/3"))
+    client = redis_client.connect(GatewayConfig(redis_url="redis://127.0.0.1:7001/3"))
     kwargs = client.connection_pool.connection_kwargs
     assert not isinstance(client.connection_pool, SentinelConnectionPool)
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("127.0.0.1", 7001, 3)
@@ -25,7 +25,7 @@ def test_one_url_makes_a_plain_client():
 def test_sentinels_name_the_primary_and_the_url_gives_credentials_database_and_tls():
     from redis.asyncio.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
-    settings = GatewaySettings(redis_url="rediss://app:secret@ignored:1/2", redis_sentinels=SENTINELS,
+    settings = GatewayConfig(redis_url="rediss://app:secret@ignored:1/2", redis_sentinels=SENTINELS,
                                redis_master_name="main", redis_sentinel_password="s-pass")
     client = redis_client.connect(settings)
     pool = client.connection_pool
@@ -55,12 +55,12 @@ def test_every_service_takes_sentinels_from_flags_and_env(service):
 @pytest.mark.parametrize("bad", [("no-port",), ("host:0",), ("host:http",), (":26379",)])
 def test_a_sentinel_address_without_host_and_port_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match="redis_sentinels"):
-        GatewaySettings(redis_sentinels=bad)
+        GatewayConfig(redis_sentinels=bad)
 
 
 def test_a_master_name_is_required_with_sentinels():
     with pytest.raises(ValueError, match="redis_master_name"):
-        GatewaySettings(redis_sentinels=SENTINELS, redis_master_name="")
+        GatewayConfig(redis_sentinels=SENTINELS, redis_master_name="")
 
 
 def test_ipv6_sentinel_addresses_keep_their_colons():
@@ -70,7 +70,7 @@ def test_ipv6_sentinel_addresses_keep_their_colons():
 @pytest.mark.parametrize("mode, sentinels, waits_ms", [
     ("auto", (), 0), ("auto", SENTINELS, 1000), ("on", (), 1000), ("off", SENTINELS, 0)])
 def test_admissions_wait_for_a_replica_by_default_only_with_sentinels(mode, sentinels, waits_ms):
-    settings = GatewaySettings(wait_for_replica=mode, redis_sentinels=sentinels)
+    settings = GatewayConfig(wait_for_replica=mode, redis_sentinels=sentinels)
     assert settings.admission_replica_wait_ms == waits_ms
 
 
@@ -80,7 +80,7 @@ async def test_more_concurrent_commands_than_connections_wait_for_one_instead_of
     import asyncio
 
     monkeypatch.setattr(redis_client, "MAX_CONNECTIONS", 8)
-    client = redis_client.connect(GatewaySettings(redis_url=redis_server.url))
+    client = redis_client.connect(GatewayConfig(redis_url=redis_server.url))
     try:
         # BLPOP holds its connection for its whole timeout: 40 of them need 5 rounds of 8.
         replies = await asyncio.gather(*(client.blpop([f"empty:{i}"], timeout=0.1) for i in range(40)))
@@ -100,7 +100,7 @@ def test_commands_are_packed_in_c_to_the_same_bytes_as_redis_py(url, base):
     import redis.asyncio.connection as rc
     from redis.exceptions import DataError
 
-    pool = redis_client.connect(GatewaySettings(redis_url=url)).connection_pool
+    pool = redis_client.connect(GatewayConfig(redis_url=url)).connection_pool
     plain_class = getattr(rc, base)
     assert issubclass(pool.connection_class, plain_class) and pool.connection_class is not plain_class
     fast, plain = pool.make_connection(), plain_class(**pool.connection_kwargs)
@@ -116,7 +116,7 @@ def test_commands_are_packed_in_c_to_the_same_bytes_as_redis_py(url, base):
 
 
 async def test_a_client_with_c_packing_round_trips_every_kind_of_value(redis_server):
-    client = redis_client.connect(GatewaySettings(redis_url=redis_server.url))
+    client = redis_client.connect(GatewayConfig(redis_url=redis_server.url))
     try:
         values = {"bytes": b"\x00\xff", "text": "h\u00e9llo", "int": 7, "float": 0.1 + 0.2}
         await client.mset(values)

@@ -22,12 +22,13 @@ pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="session")]
 
 async def start_worker(prefix: str, tiny_model_dir, hf_model, redis_url, *, step_delay_s: float = 0.0):
     from worker_service.config import ModelRunnerConfig
-    from worker_service.main import WorkerApp, WorkerSettings
+    from worker_service.config import WorkerConfig
+    from worker_service.main import WorkerApp
     from worker_service.model_runner import ModelRunner
 
     runner = ModelRunner(ModelRunnerConfig(model=tiny_model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_NUM_SEQS,
                                            dtype=DTYPE), hf_model=hf_model)
-    worker = WorkerApp(WorkerSettings(runner=runner.config, port=0, redis_url=redis_url, key_prefix=prefix,
+    worker = WorkerApp(WorkerConfig(runner=runner.config, port=0, redis_url=redis_url, key_prefix=prefix,
                                       step_delay_s=step_delay_s), runner=runner)
     await worker.start()
     return worker
@@ -37,17 +38,17 @@ async def start_worker(prefix: str, tiny_model_dir, hf_model, redis_url, *, step
 async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_url, *, registry: bool = False,
                     step_delay_s: float = 0.0):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
 
     worker = await start_worker(prefix, tiny_model_dir, hf_model, redis_url, step_delay_s=step_delay_s)
-    scheduler = SchedulerApp(SchedulerSettings(redis_url=redis_url, key_prefix=prefix, port=0,
+    scheduler = SchedulerApp(SchedulerConfig(redis_url=redis_url, key_prefix=prefix, port=0,
                                                workers=() if registry else (worker.address,), poll_block_ms=200,
                                                discovery_interval_s=0.2))
     await scheduler.start()
     await scheduler.wait_for_workers(1)
-    gateway = GatewayApp(GatewaySettings(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_url, key_prefix=prefix,
+    gateway = GatewayApp(GatewayConfig(model=tiny_model_dir, port=0, http_port=0, redis_url=redis_url, key_prefix=prefix,
                                          read_block_ms=200), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:

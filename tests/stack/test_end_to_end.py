@@ -151,7 +151,7 @@ async def test_waiting_for_the_parent_ends_when_the_process_is_reparented(monkey
 def test_the_launcher_stops_the_gateway_first_and_redis_last_whatever_the_start_order():
     """The gateway starts beside the worker, the scheduler after it; stopping still goes gateway
     (its streams drain while the rest serves), scheduler, worker, Redis."""
-    from pagedserve.launcher import Child, Stack, StackOptions
+    from pagedserve.launcher import Child, Stack, StackConfig
 
     stopped: list[str] = []
 
@@ -169,7 +169,7 @@ def test_the_launcher_stops_the_gateway_first_and_redis_last_whatever_the_start_
         def wait(self, timeout=None):
             return self.returncode
 
-    stack = Stack(StackOptions(drain_grace_s=0.1))
+    stack = Stack(StackConfig(drain_grace_s=0.1))
     stack.children = [Child(name, FakeProcess(name)) for name in ("redis", "worker", "gateway", "scheduler")]
     assert stack.stop() == 0
     assert stopped == ["gateway", "scheduler", "worker", "redis"]

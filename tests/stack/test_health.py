@@ -51,9 +51,9 @@ async def test_each_service_reports_serving_and_lists_itself_by_reflection(stack
 
 async def test_draining_gateway_is_not_serving_refuses_new_calls_and_finishes_live_streams(stack, hf_tokenizer):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200),
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200),
                          hf_tokenizer=hf_tokenizer)
     await gateway.start()
     address = f"127.0.0.1:{gateway.port}"
@@ -76,12 +76,12 @@ async def test_a_drain_past_its_grace_hands_live_streams_to_another_gateway(stac
     """Streams still live when the drain grace ends are ended UNAVAILABLE with their requests left
     running, so the SDK resumes them on the next gateway: every token once, the same as LLM's."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from servicekit.contract.sampling_params import SamplingParams
 
     prompt, max_tokens = "Hand me over", 400
     expected = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
-    gateway = GatewayApp(GatewaySettings(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
                                          read_block_ms=200), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     async with AsyncClient(f"127.0.0.1:{gateway.port},{stack.gateway_address}", timeout=60) as client:
@@ -112,7 +112,7 @@ async def test_queue_past_its_limit_is_resource_exhausted(stack, hf_tokenizer):
 
 async def test_sdk_retries_unavailable_until_a_gateway_answers(stack, hf_tokenizer):
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
 
     from helpers.stack import free_port
 
@@ -121,7 +121,7 @@ async def test_sdk_retries_unavailable_until_a_gateway_answers(stack, hf_tokeniz
         pending = asyncio.create_task(client.generate("patience", max_tokens=3, ignore_eos=True))
         await asyncio.sleep(0.5)  # the first tries find nothing listening: UNAVAILABLE
         assert not pending.done()
-        gateway = GatewayApp(GatewaySettings(model=stack.model, port=port, http_port=0, redis_url=stack.redis_url,
+        gateway = GatewayApp(GatewayConfig(model=stack.model, port=port, http_port=0, redis_url=stack.redis_url,
                                              read_block_ms=200), hf_tokenizer=hf_tokenizer)
         await gateway.start()
         try:

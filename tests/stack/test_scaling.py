@@ -36,18 +36,18 @@ async def serving(prefix: str, redis_url: str, hf_tokenizer, model: str, *, sche
     """Scheduler(s) finding workers in the registry (or driving ``workers``, or scheduler i
     driving ``workers_each[i]``) and a gateway."""
     from gateway_service.main import GatewayApp
-    from gateway_service.settings import GatewaySettings
+    from gateway_service.config import GatewayConfig
     from scheduler_service.service import SchedulerApp
-    from scheduler_service.settings import SchedulerSettings
+    from scheduler_service.config import SchedulerConfig
 
-    apps = [SchedulerApp(SchedulerSettings(
+    apps = [SchedulerApp(SchedulerConfig(
         redis_url=redis_url, key_prefix=prefix, port=0, workers=workers_each[i] if workers_each else workers,
         poll_block_ms=200,
         discovery_interval_s=0.1, consumer=f"{prefix}scheduler-{i}", **scheduler_settings))
         for i in range(schedulers)]
     for app in apps:
         await app.start()
-    gateway = GatewayApp(GatewaySettings(model=model, port=0, http_port=0, redis_url=redis_url, key_prefix=prefix,
+    gateway = GatewayApp(GatewayConfig(model=model, port=0, http_port=0, redis_url=redis_url, key_prefix=prefix,
                                          read_block_ms=200, registry_refresh_s=0.2), hf_tokenizer=hf_tokenizer)
     await gateway.start()
     try:

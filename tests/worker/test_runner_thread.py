@@ -11,8 +11,8 @@ import asyncio
 import os
 import threading
 
-from worker_service.config import ModelRunnerConfig
-from worker_service.main import WorkerApp, WorkerSettings
+from worker_service.config import ModelRunnerConfig, WorkerConfig
+from worker_service.main import WorkerApp
 
 
 async def test_the_runner_is_built_on_the_thread_that_runs_its_steps(monkeypatch, tiny_model_dir):
@@ -28,7 +28,7 @@ async def test_the_runner_is_built_on_the_thread_that_runs_its_steps(monkeypatch
     monkeypatch.setattr(model_runner, "ModelRunner", recording_runner)
     config = ModelRunnerConfig(model=tiny_model_dir, num_blocks=64, max_num_seqs=4, dtype="float32")
     placement = os.sched_getaffinity(0)
-    worker = WorkerApp(WorkerSettings(runner=config, port=0, metrics_port=-1, drain_grace_s=1))
+    worker = WorkerApp(WorkerConfig(runner=config, port=0, metrics_port=-1, drain_grace_s=1))
     await worker.start()
     try:
         steps_on = await asyncio.get_running_loop().run_in_executor(worker.servicer._executor, threading.get_ident)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
@@ -48,7 +48,7 @@ def run_to_completion(scheduler: Scheduler, runner) -> tuple[int, dict[str, list
 
 def test_min_tokens_ban_list_is_built_once_per_request_not_per_step(hf, banned_id_builds):
     runner = make_runner(hf)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), runner.info, seed_rng=random.Random(0))
+    scheduler = Scheduler(SchedulingConfig(max_num_batched_tokens=64), runner.info, seed_rng=random.Random(0))
     # The most stop ids a request may carry: every id but a handful, so the ban list is long.
     stop_ids = tuple(range(3, 3 + MAX_STOP_TOKEN_IDS))
     min_tokens = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ def test_simulated_runner_tokens_depend_on_seed_and_position_only():
 
     def generate(output_token_ids=()) -> list[int]:
         runner = SimulatedRunner(INFO, step_latency=(0.01, 0.001), sleep=slept.append)
-        core = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), INFO)
+        core = Scheduler(SchedulingConfig(max_num_seqs=4, max_num_batched_tokens=64), INFO)
         core.add_request(Request("r", [10, 11, 12], params, output_token_ids=output_token_ids))
         tokens = list(output_token_ids)
         while core.has_unfinished_requests():

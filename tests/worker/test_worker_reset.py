@@ -9,7 +9,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from scheduler_service.core.config import SchedulerConfig
+from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.worker_client import WorkerClient, connect
@@ -39,7 +39,7 @@ async def worker_address():
 
 async def test_reset_is_refused_while_a_step_stream_is_open(worker_address):
     client, _ = await connect(worker_address)
-    core = Scheduler(SchedulerConfig(max_num_batched_tokens=64), INFO)
+    core = Scheduler(SchedulingConfig(max_num_batched_tokens=64), INFO)
     core.add_request(Request("r", [10, 11, 12], SamplingParams(max_tokens=5, seed=1, ignore_eos=True)))
     tokens: list[int] = []
     plan = core.schedule()

@@ -11,31 +11,32 @@ from scheduler_service.core import (
     Request,
     SamplingParams,
     Scheduler,
-    SchedulerConfig,
+    SchedulingConfig,
     SchedulerOutput,
     WorkerDescription,
 )
+from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT
 
 EOS = 2
 VOCAB_SIZE = 32_000
-_CONFIG_FIELDS = set(SchedulerConfig.__dataclass_fields__)
+_CONFIG_FIELDS = set(SchedulingConfig.__dataclass_fields__)
 _WORKER_FIELDS = set(WorkerDescription.__dataclass_fields__)
 
 
 def make_worker(**overrides) -> WorkerDescription:
-    """A small fake worker: 4-token blocks, 64 usable blocks, EOS = 2."""
+    """A small fake CPU worker: 4-token blocks, 64 usable blocks, EOS = 2, a CPU's attention cap."""
     values = dict(model="fake", num_blocks=65, block_size=4, max_model_len=256, vocab_size=VOCAB_SIZE,
-                  eos_token_ids=(EOS,))
+                  eos_token_ids=(EOS,), prefill_chunk_attention_limit=CPU_PREFILL_CHUNK_ATTENTION_LIMIT)
     values.update(overrides)
     return WorkerDescription(**values)
 
 
 def make_scheduler(*, seed_rng: random.Random | None = None, **overrides) -> Scheduler:
-    """A scheduler over ``make_worker()``; keyword overrides go to SchedulerConfig or WorkerDescription by name."""
+    """A scheduler over ``make_worker()``; keyword overrides go to SchedulingConfig or WorkerDescription by name."""
     unknown = set(overrides) - _CONFIG_FIELDS - _WORKER_FIELDS
     if unknown:
         raise TypeError(f"unknown overrides {sorted(unknown)}")
-    config = SchedulerConfig(**{k: v for k, v in overrides.items() if k in _CONFIG_FIELDS})
+    config = SchedulingConfig(**{k: v for k, v in overrides.items() if k in _CONFIG_FIELDS})
     worker = make_worker(**{k: v for k, v in overrides.items() if k in _WORKER_FIELDS})
     return Scheduler(config, worker, seed_rng=seed_rng)
 

@@ -1,10 +1,10 @@
-"""SchedulerConfig and SamplingParams: each bad value is rejected naming its field."""
+"""SchedulingConfig and SamplingParams: each bad value is rejected naming its field."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core import InvalidArgumentError, SamplingParams, SchedulerConfig
+from scheduler_service.core import InvalidArgumentError, SamplingParams, SchedulingConfig
 
 
 @pytest.mark.parametrize(
@@ -17,12 +17,12 @@ from scheduler_service.core import InvalidArgumentError, SamplingParams, Schedul
 )
 def test_scheduler_config_names_the_bad_field(field, value):
     with pytest.raises(InvalidArgumentError) as e:
-        SchedulerConfig(**{field: value})
+        SchedulingConfig(**{field: value})
     assert e.value.field == field
 
 
 def test_scheduler_config_defaults():
-    c = SchedulerConfig()
+    c = SchedulingConfig()
     assert (c.max_num_batched_tokens, c.max_num_seqs, c.long_prefill_token_threshold) == (2048, 128, 0)
     assert c.enable_chunked_prefill and c.enable_prefix_caching and c.policy == "fcfs"
 

@@ -14,19 +14,19 @@ from __future__ import annotations
 import pytest
 
 from .helpers import make_request, make_scheduler, step
-from scheduler_service.core.config import (
-    DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT,
+from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.scheduling import (
     DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
     MIN_PREFILL_CHUNK_TOKENS,
-    SchedulerConfig,
+    SchedulingConfig,
 )
-from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT
 
 # A worker with room for an 8,000-token prompt (like SmolLM2-135M's context), default batching.
 LONG_WORKER = dict(max_model_len=8192, num_blocks=2200, block_size=16)
-BUDGET = SchedulerConfig().max_num_batched_tokens
+BUDGET = SchedulingConfig().max_num_batched_tokens
 SHARED = DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD
-LIMIT = DEFAULT_PREFILL_CHUNK_ATTENTION_LIMIT
+LIMIT = CPU_PREFILL_CHUNK_ATTENTION_LIMIT  # what make_worker's CPU worker states
 
 
 def attended(context: int, m: int) -> int:
@@ -149,27 +149,29 @@ def test_without_chunked_prefill_a_prompt_goes_whole():
 
 def test_a_negative_attention_limit_is_refused_by_name():
     with pytest.raises(InvalidArgumentError, match="prefill_chunk_attention_limit"):
-        SchedulerConfig(prefill_chunk_attention_limit=-1)
+        SchedulingConfig(prefill_chunk_attention_limit=-2)
 
 
 def test_a_scheduler_takes_each_workers_word_unless_told():
     """The attention cap depends on the device: -1 (the scheduler's default) takes what the worker
     states (a CPU's cap, or none from a GPU worker); a value given to the scheduler wins."""
-    from scheduler_service.settings import SchedulerSettings
-    from scheduler_service.workers import scheduler_config_for
+    from scheduler_service.config import SchedulerConfig
     from servicekit.contract.worker import WorkerDescription
+
+    def scheduler_config_for(settings, worker):
+        return settings.scheduling.for_worker(worker)
 
     cpu = WorkerDescription("m", 100, 16, 4096, 1000, (2,), max_num_seqs=8, max_num_batched_tokens=512,
                             prefill_chunk_attention_limit=LIMIT)
     gpu = WorkerDescription("m", 100, 16, 4096, 1000, (2,), max_num_seqs=8, max_num_batched_tokens=512)
-    default = SchedulerSettings()
+    default = SchedulerConfig()
     assert scheduler_config_for(default, cpu).prefill_chunk_attention_limit == LIMIT
     assert scheduler_config_for(default, gpu).prefill_chunk_attention_limit == 0
-    told = SchedulerSettings(prefill_chunk_attention_limit=4096)
+    told = SchedulerConfig(prefill_chunk_attention_limit=4096)
     assert scheduler_config_for(told, gpu).prefill_chunk_attention_limit == 4096
-    off = SchedulerSettings(prefill_chunk_attention_limit=0)
+    off = SchedulerConfig(prefill_chunk_attention_limit=0)
     assert scheduler_config_for(off, cpu).prefill_chunk_attention_limit == 0
-    config = scheduler_config_for(SchedulerSettings(max_num_seqs=99), cpu)
+    config = scheduler_config_for(SchedulerConfig(max_num_seqs=99), cpu)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (8, 512)  # never more than the worker's
     with pytest.raises(ValueError, match="prefill_chunk_attention_limit"):
-        SchedulerSettings(prefill_chunk_attention_limit=-2)
+        SchedulerConfig(prefill_chunk_attention_limit=-2)

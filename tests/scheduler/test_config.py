@@ -1,4 +1,4 @@
-"""The scheduler's settings (``scheduler_service.main``): lists and booleans from flags and env vars."""
+"""The scheduler's settings (``scheduler_service.config``): lists and booleans from flags and env vars."""
 
 from __future__ import annotations
 
