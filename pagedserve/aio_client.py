@@ -37,7 +37,7 @@ from pagedserve import wire
 from pagedserve.client_types import Chunk, Completion, ModelInfo
 from pagedserve.errors import from_rpc_error
 from pagedserve.failover import StreamCall, is_transient, parse_addresses
-from pagedserve.multiplex import GenerateManyPool, MultiplexedStream
+from pagedserve.multiplex import GenerateManyPool
 from servicekit.auth import bearer_metadata
 from servicekit.ports import GATEWAY_PORT
 from servicekit.proto.channel import CHANNEL_OPTIONS
@@ -66,12 +66,11 @@ class AsyncStream(StreamCall):
         self._pool = pool  # the client's GenerateMany calls; None: a Generate call per stream
 
     def _start(self) -> None:
-        if self._pool is not None:
-            timeout = self._failover.remaining() if self._timeout is not None else None
-            self._call = self._pool.open(self._failover.address_index, self._request, timeout)
-            if self._call is not None:
-                return
-        super()._start()  # that gateway has no GenerateMany (an older version)
+        if self._pool is None:
+            super()._start()
+            return
+        timeout = self._failover.remaining() if self._timeout is not None else None
+        self._call = self._pool.open(self._failover.address_index, self._request, timeout)
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -85,10 +84,6 @@ class AsyncStream(StreamCall):
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and isinstance(self._call, MultiplexedStream):
-                    self._pool.unimplemented[self._failover.address_index] = True
-                    self._start()  # the same gateway, by a Generate call
-                    continue
                 delay = self._failover.next_try(exc.code(), exc.details() or "")
                 if delay is None:
                     self._done = True

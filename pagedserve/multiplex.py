@@ -6,8 +6,6 @@ A :class:`MultiplexedStream` stands in for a Generate call: ``read()`` returns t
 ended with, and ``cancel()`` cancels it; so retries and failover (:mod:`pagedserve.failover`) work
 on it unchanged. When the GenerateMany call itself breaks (the gateway died or stops), every stream
 in it fails with that call's status and is resumed like a broken Generate call.
-
-A gateway without GenerateMany (UNIMPLEMENTED) is remembered: its streams use Generate calls.
 """
 
 from __future__ import annotations
@@ -165,12 +163,9 @@ class GenerateManyPool:
         self._stubs = stubs
         self._metadata = metadata
         self._calls: list[list[GenerateManyCall]] = [[] for _ in stubs]
-        self.unimplemented = [False] * len(stubs)
 
-    def open(self, address_index: int, request, timeout: float | None) -> MultiplexedStream | None:
-        """A stream on the gateway at ``address_index``; None when that gateway lacks GenerateMany."""
-        if self.unimplemented[address_index]:  # set by the stream that met UNIMPLEMENTED (AsyncStream)
-            return None
+    def open(self, address_index: int, request, timeout: float | None) -> MultiplexedStream:
+        """A stream on the gateway at ``address_index``."""
         calls = self._calls[address_index]
         calls[:] = [c for c in calls if c.broken is None]
         call = next((c for c in calls if c.usable), None)

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from servicekit.contract.worker import WorkerDescription
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def worker_from_hash(h: dict) -> WorkerDescription:
     return WorkerDescription(
         model=h["model"], eos_token_ids=tuple(int(t) for t in h["eos_token_ids"].split(",") if t),
         worker_id=h["worker_id"], address=h["address"],
-        **{name: int(h.get(name, "0")) for name in _WORKER_INTS})
+        **{name: int(h[name]) for name in _WORKER_INTS})
 
 
 def _s(v: object) -> str:
@@ -62,8 +62,8 @@ class SchedulerRecord:
     @classmethod
     def from_hash(cls, h: dict) -> SchedulerRecord:
         h = {_s(k): _s(v) for k, v in h.items()}
-        return cls(consumer=h["consumer"], address=h["address"], num_workers=int(h.get("num_workers", "0")),
-                   num_stranded=int(h.get("num_stranded", "0")))
+        return cls(consumer=h["consumer"], address=h["address"], num_workers=int(h["num_workers"]),
+                   num_stranded=int(h["num_stranded"]))
 
 
 async def _list_hashes(redis, pattern: str, parse) -> list:

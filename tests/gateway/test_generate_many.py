@@ -178,30 +178,6 @@ async def test_closing_the_client_cancels_its_open_generations(stack):
     assert (await scheduler_stats(stack.scheduler_address)).num_aborted == before + 1
 
 
-class _GenerateOnly(generation_pb2_grpc.GenerationServicer):
-    """A gateway of an older version: Generate, no GenerateMany."""
-
-    async def Generate(self, request, context):
-        for i in range(3):
-            yield generation_pb2.GenerateResponse(request_id=request.request_id, token_ids=[i], first_index=i,
-                                                  text=str(i), finish_reason=sampling_pb2.FINISH_REASON_LENGTH
-                                                  if i == 2 else sampling_pb2.FINISH_REASON_UNSPECIFIED)
-
-
-async def test_a_gateway_without_generate_many_gets_generate_calls():
-    server = grpc.aio.server()
-    generation_pb2_grpc.add_GenerationServicer_to_server(_GenerateOnly(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}", timeout=10) as client:
-            for _ in range(2):  # the second stream goes straight to Generate
-                completion = await client.generate([1, 2], max_tokens=3)
-                assert list(completion.token_ids) == [0, 1, 2] and completion.text == "012"
-    finally:
-        await server.stop(None)
-
-
 async def test_starts_past_max_concurrent_streams_wait_for_a_seat(stack, hf_tokenizer):
     from gateway_service.main import GatewayApp
     from gateway_service.config import GatewayConfig

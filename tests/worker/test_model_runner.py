@@ -41,8 +41,6 @@ def test_the_worker_states_its_prefill_attention_limit_by_device(hf):
     assert stated.prefill_chunk_attention_limit == 5000
     assert worker_description_from_pb(worker_description_to_pb(stated)) == stated
     assert worker_from_hash(worker_to_hash(stated)) == stated
-    old_entry = {k: v for k, v in worker_to_hash(stated).items() if k != "prefill_chunk_attention_limit"}
-    assert worker_from_hash(old_entry).prefill_chunk_attention_limit == 0  # an older worker states nothing
     with pytest.raises(InvalidArgumentError, match="prefill_chunk_attention_limit"):
         ModelRunnerConfig(model="x", prefill_chunk_attention_limit=-2)
 
