@@ -31,7 +31,17 @@ from gateway_service.output_fanout import WAKE_MAXLEN, WAKE_TTL_S
 from servicekit.contract.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.proto.sampling import sampling_params_to_bytes
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
+from servicekit.redis_layout import (
+    DATA_FIELD,
+    LIVE_FIELD,
+    OWNER_FIELD,
+    PARAMS_DIGEST_FIELD,
+    PROMPT_DIGEST_FIELD,
+    REQUEST_ID_FIELD,
+    SCHEDULER_GROUP,
+    WAKE_FIELD,
+    RedisKeys,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +55,23 @@ REPLICAS_RECHECK_S = 1.0
 # ARGV: group, max queued (0 = no limit), request id, EngineRequest bytes, output TTL seconds,
 #       wake stream max length, wake stream TTL seconds, prompt digest, params digest, owner (the
 #       digest of the API key that admitted it; "" without keys), the gateway's live stream (the
-#       request entry's ``live`` field: where schedulers also append its records; "" for none)
+#       request entry's LIVE_FIELD: where schedulers also append its records)
 # Returns 0 when admitted, -1 when the queue is full, -2 when the request id is in use.
 # Queue depth = entries not yet delivered to any scheduler: finished requests are deleted from the
 # stream, so XLEN minus the group's pending count is what waits.
-_ADMIT_LUA = """
+_ADMIT_LUA = f"""
 if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
 local limit = tonumber(ARGV[2])
 if limit > 0 then
   local waiting = redis.call('XLEN', KEYS[1]) - redis.call('XPENDING', KEYS[1], ARGV[1])[1]
   if waiting >= limit then return -1 end
 end
-redis.call('XADD', KEYS[2], '*', 'data', '', 'prompt_digest', ARGV[8], 'params_digest', ARGV[9], 'owner', ARGV[10])
+redis.call('XADD', KEYS[2], '*', '{DATA_FIELD}', '', '{PROMPT_DIGEST_FIELD}', ARGV[8], '{PARAMS_DIGEST_FIELD}', ARGV[9],
+           '{OWNER_FIELD}', ARGV[10])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('SET', KEYS[4], 1, 'EX', ARGV[5])
-redis.call('XADD', KEYS[1], '*', 'request_id', ARGV[3], 'data', ARGV[4], 'live', ARGV[11])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', 'w', '1')
+redis.call('XADD', KEYS[1], '*', '{REQUEST_ID_FIELD}', ARGV[3], '{DATA_FIELD}', ARGV[4], '{LIVE_FIELD}', ARGV[11])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', '{WAKE_FIELD}', '1')
 redis.call('EXPIRE', KEYS[3], ARGV[7])
 return 0
 """
@@ -70,40 +81,34 @@ return 0
 #       owner (the caller's API key digest)
 # Returns -1 when the output stream is gone or was admitted by another key (one answer for both:
 # no caller learns which ids exist); else the names of the digests that differ from the admitted
-# ones (empty: joined as one more reader). A marker without digests (admitted by an older gateway)
-# is not checked; one without an owner belongs to callers without a key.
-_JOIN_LUA = """
+# ones (empty: joined as one more reader). A marker whose owner is "" belongs to callers without a key.
+_JOIN_LUA = f"""
 local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
 if #first == 0 then return -1 end
-local fields = first[1][2]
-local owner = ''
-for i = 1, #fields, 2 do
-  if fields[i] == 'owner' then owner = fields[i + 1] end
-end
-if owner ~= ARGV[6] then return -1 end
-local differ = {}
-for i = 1, #fields, 2 do
-  if fields[i] == 'prompt_digest' and fields[i + 1] ~= ARGV[1] then table.insert(differ, 'prompt') end
-  if fields[i] == 'params_digest' and fields[i + 1] ~= ARGV[2] then table.insert(differ, 'sampling_params') end
-end
+local fields, marker = first[1][2], {{}}
+for i = 1, #fields, 2 do marker[fields[i]] = fields[i + 1] end
+if marker['{OWNER_FIELD}'] ~= ARGV[6] then return -1 end
+local differ = {{}}
+if marker['{PROMPT_DIGEST_FIELD}'] ~= ARGV[1] then table.insert(differ, 'prompt') end
+if marker['{PARAMS_DIGEST_FIELD}'] ~= ARGV[2] then table.insert(differ, 'sampling_params') end
 if #differ > 0 then return differ end
 redis.call('INCR', KEYS[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', 'w', '1')
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', '{WAKE_FIELD}', '1')
 redis.call('EXPIRE', KEYS[3], ARGV[5])
-return {}
+return {{}}
 """
 
 # KEYS: readers counter, aborts stream
 # ARGV: request id, aborts max length, "1" when the leaving reader did not see the request finish
 # Returns the readers left. The last reader out of an unfinished request publishes its abort; a
 # counter already gone (expired) counts as no other reader.
-_LEAVE_LUA = """
+_LEAVE_LUA = f"""
 local left = redis.call('DECR', KEYS[1])
 if left > 0 then return left end
 redis.call('DEL', KEYS[1])
 if ARGV[3] == '1' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', 'request_id', ARGV[1])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', '{REQUEST_ID_FIELD}', ARGV[1])
 end
 return 0
 """
@@ -142,10 +147,10 @@ class Admission:
         self._leave = redis.register_script(_LEAVE_LUA)
 
     async def admit(self, request_id: str, record: bytes, digests: RequestDigests, wake_key: str,
-                    owner: str = "", live_key: str = "") -> None:
+                    owner: str, live_key: str) -> None:
         """Enqueue one EngineRequest owned by the API key digest ``owner``, its caller being its
         first reader; ``live_key``: the gateway's live stream, where schedulers also append the
-        request's records (``RedisKeys.gateway_live``; "" for none). Raises
+        request's records (``RedisKeys.gateway_live``). Raises
         ResourceExhaustedError past the queue limit and AlreadyExistsError when the request id has
         an output stream already (nothing is written then). With replicas present and waiting on,
         returns once a replica holds the admission (or ``replica_wait_ms`` passed)."""
@@ -213,5 +218,5 @@ class Admission:
                           args=[request_id, ABORTS_MAXLEN, "1" if abort else "0"])
 
     async def abort(self, request_id: str) -> None:
-        await self._redis.xadd(self._keys.aborts, {"request_id": request_id},
+        await self._redis.xadd(self._keys.aborts, {REQUEST_ID_FIELD: request_id},
                                maxlen=ABORTS_MAXLEN, approximate=True)

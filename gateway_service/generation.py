@@ -40,7 +40,7 @@ from servicekit.contract.errors import InvalidArgumentError, PagedServeError, Un
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, truncate_prompt
 from servicekit.contract.records import RequestRecord
 from servicekit.proto.queue import request_record_to_bytes
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 
 log = logging.getLogger(__name__)
 

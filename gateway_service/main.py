@@ -51,7 +51,7 @@ class GatewayApp:
         from gateway_service.output_fanout import OutputFanout
         from gateway_service.admission import Admission
         from gateway_service.text import PromptTokenizer, load_tokenizer
-        from servicekit.redis_keys import RedisKeys, ensure_request_group
+        from servicekit.redis_layout import RedisKeys, ensure_request_group
 
         s = self.settings
         keys = RedisKeys(s.key_prefix)

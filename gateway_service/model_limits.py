@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.worker import WorkerDescription
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 from servicekit.registry import list_workers
 from servicekit.serving import cancel_and_wait, cancel_requested
 

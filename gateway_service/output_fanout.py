@@ -1,16 +1,16 @@
 """One blocking XREAD loop per gateway for the outputs of all its requests, fanned out to
 per-request asyncio queues (DESIGN.md decision 10: no per-request connections).
 
-Two ways in. Every reader can read its request's own output stream: the XREAD includes the key
-from the reader's last entry. The requests this gateway admitted are also *live*: with each
-step's records the schedulers append one entry to the gateway's live stream
-(``{prefix}gw:{gateway_id}:live``, named in the ``live`` field of the request entry), carrying each
-record's entry id in the request's own stream. Once a record of a live reader came that way, its
-key leaves the XREAD: the loop then reads one stream a step whatever the number of requests.
-Until then both ways deliver, each only entries after the reader's last one (a scheduler of an
-older version writes no live entries: its readers keep reading their own streams). Every other reader
-— a resume of a request admitted elsewhere (its gateway died), a second reader of a request —
-reads only its request's stream. The gateway trims its live stream as it reads it.
+Two ways in, one per reader. The call that admitted a request here is its *live* reader: with
+each step's records the schedulers append one entry to the gateway's live stream
+(``{prefix}gw:{gateway_id}:live``, named in the request entry's ``LIVE_FIELD``), naming each
+record's output stream, so the loop reads one stream a step for all of them whatever their
+number. Every other reader — a resume of a request admitted elsewhere (its gateway died), a second
+reader of a request, a resume here — reads its request's own output stream from its start: the
+XREAD includes the key from the reader's last entry. The live stream cannot serve those: the
+schedulers append a request's records only to its admitting gateway's live stream, and only from
+the reader's admission on, while a resume needs the records delivered before it joined. The
+gateway trims its live stream as it reads it.
 
 A blocking XREAD only sees the keys it was called with, so adding a request wakes the loop by
 appending to the gateway's own small wake stream (``{prefix}gw:{gateway_id}:wake``), which every
@@ -31,7 +31,7 @@ import logging
 from redis.exceptions import RedisError
 
 from servicekit.contract.errors import ResourceExhaustedError, UnavailableError
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import DATA_FIELD, LIVE_SEPARATOR, RedisKeys
 from servicekit.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
@@ -39,23 +39,24 @@ log = logging.getLogger(__name__)
 WAKE_MAXLEN = 16
 WAKE_TTL_S = 300
 LIVE_TRIM_EVERY = 32  # reads of the live stream between two trims of what was read
+_DATA, _LIVE_SEPARATOR = DATA_FIELD.encode(), LIVE_SEPARATOR.encode()
 
 # KEYS: streams. ARGV: count, then one entry id per stream. A non-blocking XREAD of every stream
-# after its id, as one flat array: key, entry id, the entry's ``data`` field ("" if none), ...
+# after its id, as one flat array: key, entry id, the entry's DATA_FIELD ("" if none), ...
 # Redis up to 6.2 writes an XREAD reply with one write() per stream (its reply-list nodes), which
 # the reader takes in as many socket reads: 64 streams cost the gateway ~400 µs of CPU and Redis
 # 62 system calls. A script's flat array goes out in one write (~70 µs to read).
-_READ_LUA = """
-local args = {'XREAD', 'COUNT', ARGV[1], 'STREAMS'}
+_READ_LUA = f"""
+local args = {{'XREAD', 'COUNT', ARGV[1], 'STREAMS'}}
 for i = 1, #KEYS do args[#args + 1] = KEYS[i] end
 for i = 2, #ARGV do args[#args + 1] = ARGV[i] end
 local reply = redis.call(unpack(args))
-local out = {}
-for _, stream in ipairs(reply or {}) do
+local out = {{}}
+for _, stream in ipairs(reply or {{}}) do
   for _, entry in ipairs(stream[2]) do
     local data, fields = '', entry[2]
     for i = 1, #fields, 2 do
-      if fields[i] == 'data' then data = fields[i + 1] end
+      if fields[i] == '{DATA_FIELD}' then data = fields[i + 1] end
     end
     out[#out + 1] = stream[1]
     out[#out + 1] = entry[1]
@@ -78,7 +79,8 @@ class SlowReaderError(ResourceExhaustedError):
 
 class Subscription:
     """One reader of one request's output stream, as delivered so far. ``last_id`` is the newest
-    entry handed to ``queue``. Several calls may read the same stream (a resume next to its
+    entry handed to ``queue`` (a live reader's records come in live-stream order, so it needs
+    none). Several calls may read the same stream (a resume next to its
     owner): each has its own subscription and sees every entry once, in order.
 
     Bounded: at most ``max_pending`` records wait in ``queue`` (0: no bound). A reader that falls
@@ -87,15 +89,13 @@ class Subscription:
     the call can be ended at once rather than when its client reads again."""
 
     __slots__ = ("key", "last_id", "listener", "live", "max_pending", "on_overflow", "overflowed", "pending",
-                 "queue", "last_live", "via_live")
+                 "queue")
 
     def __init__(self, key: str, start_id: str = "0-0", *, max_pending: int = 0, on_overflow=None,
                  live: bool = False) -> None:
         self.key = key
-        self.live = live  # its records also come through the gateway's live stream
-        self.via_live = False  # one came that way: ``key`` is not read any more
-        self.last_live = False  # ``last_id`` came from the live stream (whose next entries are newer)
-        self.last_id = start_id
+        self.live = live  # its records come through the gateway's live stream, ``key`` is not read
+        self.last_id = start_id  # not live: the newest entry of ``key`` delivered
         self.queue: asyncio.Queue[list[bytes] | BaseException] = asyncio.Queue()
         self.max_pending = max_pending
         self.pending = 0
@@ -179,7 +179,7 @@ class OutputFanout:
     def subscribe(self, key: str, *, max_pending: int = 0, on_overflow=None, live: bool = False) -> Subscription:
         """Start delivering ``key``'s entries (from its beginning), at most ``max_pending`` waiting
         (see :class:`Subscription`). ``live``: the caller is admitting the request now with
-        ``live_key`` as its live stream, so its records also come that way. The caller then writes
+        ``live_key`` as its live stream, so its records come that way only. The caller then writes
         to the wake stream (the admission and join scripts of ``gateway_service.admission`` do) so a blocked
         XREAD restarts."""
         sub = Subscription(key, max_pending=max_pending, on_overflow=on_overflow, live=live)
@@ -208,9 +208,9 @@ class OutputFanout:
         while not cancel_requested():
             streams: dict[bytes, str | bytes] = {wake: wake_last, live: live_last}
             for key, readers in self._subs.items():
-                # Each key read by a reader not fed by the live stream yet, from the one furthest
-                # behind; the others skip what they already have.
-                positions = [sub.last_id for sub in readers if not sub.via_live]
+                # Each key read by its readers that are not live, from the one furthest behind;
+                # the others skip what they already have.
+                positions = [sub.last_id for sub in readers if not sub.live]
                 if positions:
                     streams[key] = positions[0] if len(positions) == 1 else min(positions, key=_entry_id)
             try:
@@ -221,7 +221,7 @@ class OutputFanout:
                     if key == live:
                         live_entries = entries
                     else:
-                        read.append((key, [(entry_id, fields.get(b"data", b"")) for entry_id, fields in entries]))
+                        read.append((key, [(entry_id, fields.get(_DATA, b"")) for entry_id, fields in entries]))
                 if len(reply or ()) == 1 and len(streams) > 2:
                     read += await self._rest_of_the_step(streams, reply[0])
             except RedisError as exc:
@@ -251,7 +251,7 @@ class OutputFanout:
                     continue
                 asked = streams[key]  # the reply holds the entries after this one
                 for sub in self._subs.get(key, ()):  # none: a request that ended meanwhile
-                    if sub.via_live:
+                    if sub.live:
                         continue  # the live stream brings these
                     if sub.last_id == asked:  # the reader the read was made for: all of them are new
                         new = entries
@@ -265,24 +265,18 @@ class OutputFanout:
                         new = [(entry_id, data) for entry_id, data in entries if _entry_id(entry_id) > after]
                     if new:
                         sub.last_id = new[-1][0]
-                        sub.last_live = False
                         sub.deliver([data for _id, data in new])
 
     def _deliver_live(self, entries: list) -> None:
         """Hand the records of live-stream entries (fields ``"{output stream} {entry id}"`` -> the
-        record, in the order they were published) to the live readers of their streams: those
-        after the reader's last entry (until one came this way, its own stream was read too)."""
+        record, in the order they were published) to the live readers of their streams. Each
+        entry is new (the live stream is read from the last one), so each record goes once."""
         subs = self._subs
         for _entry, fields in entries:
             for name, data in fields.items():
-                key, _, entry_id = name.rpartition(b" ")
+                key = name.rpartition(_LIVE_SEPARATOR)[0]
                 for sub in subs.get(key, ()):  # none: a request that ended, or is read by a resume here
-                    if not sub.live:
-                        continue
-                    sub.via_live = True
-                    if sub.last_live or _entry_id(entry_id) > _entry_id(sub.last_id):
-                        sub.last_id = entry_id
-                        sub.last_live = True
+                    if sub.live:
                         sub.deliver([data])
 
     async def _trim_live(self, read_up_to: str | bytes) -> None:

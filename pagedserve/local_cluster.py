@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.launcher import REPO_ROOT, find_redis_server, free_port, redis_pings
-from servicekit.redis_keys import DEFAULT_PREFIX
+from servicekit.redis_layout import DEFAULT_PREFIX
 from servicekit.tls import TlsFiles, sync_channel
 
 

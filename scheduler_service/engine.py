@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.intake import RequestIntake
+from scheduler_service.intake import RequestIntake, RoutedOutputs
 from scheduler_service.stream_interval import StreamBatcher
 from scheduler_service.worker_client import WorkerClient, WorkerLostError
 from servicekit.contract.errors import InvalidArgumentError
@@ -348,18 +348,19 @@ class WorkerEngine:
                 records.append((rid, output_record_to_bytes(OutputRecord.error(field, message))))
                 finished_entries.append(held.pop(rid))
                 num_aborted += 1
+        routed = self._intake.route(records)  # now: the finished ones are no longer held
         if self._publishing is not None:
             await self._publishing  # re-raises a failed previous publish
-        self._publishing = asyncio.create_task(self._send(records, finished_entries, num_aborted))
+        self._publishing = asyncio.create_task(self._send(routed, finished_entries, num_aborted))
 
-    async def _send(self, records: list[tuple[str, bytes]], finished_entries: list[str], num_aborted: int) -> None:
+    async def _send(self, records: RoutedOutputs, finished_entries: list[str], num_aborted: int) -> None:
         """Publish, retrying while Redis is away (the engine stops stepping meanwhile: the next
         publish waits for this one). A retry after a lost reply may write a step's records twice;
         gateways drop repeated indices."""
         delay = 0.05
         while True:
             try:
-                await self._intake.publish(records, finished_entries)
+                await self._intake.publish_routed(records, finished_entries)
                 break
             except RedisError as exc:
                 if cancel_requested():

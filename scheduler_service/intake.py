@@ -20,7 +20,18 @@ from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
 
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
+from servicekit.redis_layout import (
+    CONSUMER_FIELD,
+    DATA_FIELD,
+    DELIVERIES_FIELD,
+    LIVE_FIELD,
+    LIVE_SEPARATOR,
+    REASON_FIELD,
+    REQUEST_ID_FIELD,
+    SCHEDULER_GROUP,
+    RedisKeys,
+    ensure_request_group,
+)
 
 DEAD_LETTERS_MAXLEN = 10_000
 
@@ -85,7 +96,8 @@ LIVE_FIELDS_MAX = 1000  # fields of one live-stream entry at most (the same limi
 # of each live stream, in order: the first count records go to the first live stream, and so on;
 # the records after them to none), then one record per output stream.
 # A step's outputs in one command: each record appended to its stream and the stream's TTL renewed,
-# each live stream given one entry with its records ("{output stream} {entry id}" -> record), then
+# each live stream given one entry with its records ("{output stream} {entry id}" -> record, with
+# LIVE_SEPARATOR between), then
 # the finished requests' entries acknowledged and deleted. A script runs whole or not at all (as
 # MULTI/EXEC did), and packing one command costs a fraction of a pipeline of 2 per record.
 _PUBLISH_LUA = f"""
@@ -99,10 +111,10 @@ for g = 1, m + 1 do
   local fields = {{}}
   for _ = 1, count do
     local data = ARGV[first_record + k - 2 - m]
-    local id = redis.call('XADD', KEYS[k], '*', 'data', data)
+    local id = redis.call('XADD', KEYS[k], '*', '{DATA_FIELD}', data)
     redis.call('EXPIRE', KEYS[k], ARGV[2])
     if g <= m then
-      fields[#fields + 1] = KEYS[k] .. ' ' .. id
+      fields[#fields + 1] = KEYS[k] .. '{LIVE_SEPARATOR}' .. id
       fields[#fields + 1] = data
       if #fields >= {LIVE_FIELDS_MAX} then
         redis.call('XADD', KEYS[1 + g], '*', unpack(fields))
@@ -134,11 +146,24 @@ class RequestEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutedOutputs:
+    """A step's records in the publish script's order: first ``counts[i]`` records for each
+    gateway live stream ``live_keys[i]``, then those of requests without one."""
+
+    outputs: list[tuple[str, bytes]]  # (request id, EngineOutput)
+    live_keys: list[str]
+    counts: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimedEntry:
     """An entry taken over from an idle (dead) scheduler."""
 
     entry: RequestEntry
     deliveries: int  # times the entry was handed to a scheduler, this takeover included
+
+
+_REQUEST_ID, _DATA, _LIVE = REQUEST_ID_FIELD.encode(), DATA_FIELD.encode(), LIVE_FIELD.encode()
 
 
 def _str(value) -> str:
@@ -148,8 +173,8 @@ def _str(value) -> str:
 def _entry(entry_id, fields) -> RequestEntry:
     if isinstance(fields, list):  # a script's reply: flat [field, value, ...]
         fields = dict(zip(fields[::2], fields[1::2]))
-    return RequestEntry(_str(entry_id), _str(fields.get(b"request_id", b"")), fields.get(b"data", b""),
-                      _str(fields.get(b"live", b"")))
+    return RequestEntry(_str(entry_id), _str(fields.get(_REQUEST_ID, b"")), fields.get(_DATA, b""),
+                        _str(fields.get(_LIVE, b"")))
 
 
 class RequestIntake:
@@ -195,29 +220,38 @@ class RequestIntake:
         """Forget the live streams of requests no longer held (``held``: the request ids still are)."""
         self.live = {rid: key for rid, key in self.live.items() if rid in held}
 
+    def route(self, outputs: list[tuple[str, bytes]]) -> RoutedOutputs:
+        """Where each (request id, EngineOutput) goes besides its output stream: its gateway's live
+        stream, if it has one. Decided when a step's records are made, not when they are sent: a
+        request that finished in the step is no longer held, so ``forget_live`` may drop it before
+        a retried publish goes out, and its live reader reads nothing but the live stream."""
+        live = self.live
+        if not live:
+            return RoutedOutputs(outputs, [], [])
+        groups: dict[str, list[tuple[str, bytes]]] = {}
+        for record in outputs:
+            groups.setdefault(live.get(record[0], ""), []).append(record)
+        plain = groups.pop("", [])
+        return RoutedOutputs([record for records in groups.values() for record in records] + plain,
+                             list(groups), [len(records) for records in groups.values()])
+
     async def publish(self, outputs: list[tuple[str, bytes]], finished_entry_ids: list[str]) -> None:
+        """:meth:`publish_routed` of ``route(outputs)``."""
+        await self.publish_routed(self.route(outputs), finished_entry_ids)
+
+    async def publish_routed(self, routed: RoutedOutputs, finished_entry_ids: list[str]) -> None:
         """In one script: append each (request id, EngineOutput) to its output stream and renew
         the stream's TTL, and the records of each gateway's requests to its live stream as one
         entry; XACK and delete the request entries of finished requests. Atomic, so a scheduler
         that dies mid-publish leaves either all of a step's records or none."""
+        outputs = routed.outputs
         if not outputs and not finished_entry_ids:
             return
         keys = self._keys
-        live = self.live
-        if live:
-            groups: dict[str, list[tuple[str, bytes]]] = {}
-            for record in outputs:
-                groups.setdefault(live.get(record[0], ""), []).append(record)
-            plain = groups.pop("", [])
-            live_keys = list(groups)
-            outputs = [record for records in groups.values() for record in records] + plain
-            counts = [len(records) for records in groups.values()]
-        else:
-            live_keys, counts = [], []
         await self._publish(
-            keys=[keys.requests, *live_keys, *(keys.output(request_id) for request_id, _data in outputs)],
+            keys=[keys.requests, *routed.live_keys, *(keys.output(request_id) for request_id, _data in outputs)],
             args=[SCHEDULER_GROUP, self._output_ttl_s, len(finished_entry_ids), *finished_entry_ids,
-                  len(live_keys), *counts, *(data for _request_id, data in outputs)])
+                  len(routed.live_keys), *routed.counts, *(data for _request_id, data in outputs)])
 
     # -- ownership of pending entries ---------------------------------------------------------------
 
@@ -261,7 +295,7 @@ class RequestIntake:
         for rid in request_ids:
             pipe.xrange(self._keys.output(rid))
         replies = await pipe.execute()
-        return [[fields.get(b"data", b"") for _id, fields in items] if items else None for items in replies]
+        return [[fields.get(_DATA, b"") for _id, fields in items] if items else None for items in replies]
 
     async def finish_entries(self, outputs: list[tuple[str, bytes]], entries: list[ClaimedEntry | RequestEntry],
                              *, reason: str = "") -> None:
@@ -274,8 +308,8 @@ class RequestIntake:
             pipe = self._redis.pipeline(transaction=True)
             for item, entry in zip(entries, plain):
                 pipe.xadd(self._keys.dead_letters, {
-                    "request_id": entry.request_id, "data": entry.data, "reason": reason,
-                    "deliveries": str(getattr(item, "deliveries", 1)), "consumer": self.consumer},
+                    REQUEST_ID_FIELD: entry.request_id, DATA_FIELD: entry.data, REASON_FIELD: reason,
+                    DELIVERIES_FIELD: str(getattr(item, "deliveries", 1)), CONSUMER_FIELD: self.consumer},
                     maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
             await pipe.execute()
         for entry in plain:
@@ -296,7 +330,7 @@ class RequestIntake:
         for _stream, items in reply or ():
             for entry_id, fields in items:
                 after_id = _str(entry_id)
-                rid = fields.get(b"request_id")
+                rid = fields.get(_REQUEST_ID)
                 if rid:
                     ids.append(_str(rid))
         return ids, after_id

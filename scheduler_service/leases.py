@@ -12,7 +12,7 @@ again later.
 
 from __future__ import annotations
 
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 
 # KEYS: lease keys. ARGV: owner, ttl ms. Per key: take it when free, extend it when ours.
 # Returns one 1 (held by us now) / 0 (held by another) per key.

@@ -43,7 +43,7 @@ from servicekit.contract.errors import DeadlineExceededError, InvalidArgumentErr
 from servicekit.contract.records import OutputRecord, delivered_outputs
 from servicekit.metrics import MetricsPort
 from servicekit.proto.queue import output_record_from_bytes, output_record_to_bytes, request_record_from_bytes
-from servicekit.redis_keys import RedisKeys, ensure_request_group
+from servicekit.redis_layout import RedisKeys, ensure_request_group
 from servicekit.serving import cancel_and_wait, cancel_requested
 from servicekit.tls import describe as describe_link
 

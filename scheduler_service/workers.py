@@ -43,7 +43,7 @@ from scheduler_service.leases import WorkerLeases
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.worker_client import LeaseRefusedError, WorkerLostError, connect
 from servicekit.contract.worker import WorkerDescription
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 from servicekit.registry import Heartbeat, SchedulerRecord, list_schedulers, list_workers
 from servicekit.serving import cancel_and_wait, cancel_requested
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from servicekit.contract.settings import check_settings, setting
-from servicekit.redis_keys import DEFAULT_PREFIX, RedisKeys
+from servicekit.redis_layout import DEFAULT_PREFIX, RedisKeys
 
 DEFAULT_MASTER_NAME = "pagedserve"
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from servicekit import redis_client
 from servicekit.flags import service_parser, settings_kwargs
 from servicekit.metrics import MetricsPort
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 from servicekit.registry import Heartbeat
 from servicekit.serving import is_loopback, service_main
 from servicekit.tls import describe as describe_link

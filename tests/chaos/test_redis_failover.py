@@ -25,7 +25,7 @@ from gateway_service.admission import Admission, RequestDigests
 from pagedserve.local_cluster import LocalCluster
 from servicekit import redis_client
 from servicekit.contract.sampling_params import SamplingParams
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
+from servicekit.redis_layout import SCHEDULER_GROUP, RedisKeys
 
 from .conftest import PREFIX, redis_server_binary, start_cluster, wait_for_async
 from .streams import assert_exactly_the_fault_free_outputs, assert_surviving_pools_all_free, streams_with_a_fault
@@ -116,10 +116,10 @@ async def test_an_admission_is_on_the_replica_when_admit_returns(redis_ha):
     keys = RedisKeys("ha:")
     client = through_sentinels(redis_ha)
     try:
-        queue = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=10_000)
+        admission = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=10_000)
         for i in range(20):
-            await queue.admit(f"r{i}", b"record", DIGESTS, keys.gateway_wake("g"))
-        assert (queue.num_replicated, queue.num_unreplicated) == (20, 0)
+            await admission.admit(f"r{i}", b"record", DIGESTS, keys.gateway_wake("g"), "", keys.gateway_live("g"))
+        assert (admission.num_replicated, admission.num_unreplicated) == (20, 0)
         with redis.Redis(port=replica_of(redis_ha).port) as replica:
             assert replica.xlen(keys.requests) == 20  # read at once: WAIT made it so
             assert replica.exists(keys.output("r19"))
@@ -132,15 +132,15 @@ async def test_an_unresponsive_replica_delays_an_admission_only_until_the_timeou
     client = through_sentinels(redis_ha)
     replica = replica_of(redis_ha)
     try:
-        queue = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=200)
-        await queue.admit("before", b"record", DIGESTS, keys.gateway_wake("g"))
-        assert queue.num_replicated == 1
+        admission = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=200)
+        await admission.admit("before", b"record", DIGESTS, keys.gateway_wake("g"), "", keys.gateway_live("g"))
+        assert admission.num_replicated == 1
         os.killpg(replica.popen.pid, signal.SIGSTOP)  # connected but silent: WAIT gets no answer
         try:
-            await queue.admit("frozen", b"record", DIGESTS, keys.gateway_wake("g"))
+            await admission.admit("frozen", b"record", DIGESTS, keys.gateway_wake("g"), "", keys.gateway_live("g"))
         finally:
             os.killpg(replica.popen.pid, signal.SIGCONT)
-        assert (queue.num_replicated, queue.num_unreplicated) == (1, 1)
+        assert (admission.num_replicated, admission.num_unreplicated) == (1, 1)
         assert await client.exists(keys.output("frozen"))  # admitted all the same
 
         async def caught_up() -> bool:
@@ -161,9 +161,10 @@ async def test_no_wait_without_replicas_or_when_off(tmp_path):
     keys = RedisKeys("solo:")
     try:
         alone = Admission(client, keys, max_queued=0, output_ttl_s=60, replica_wait_ms=60_000)
-        await alone.admit("a", b"record", DIGESTS, keys.gateway_wake("g"))  # would block a minute if it WAITed
+        # would block a minute if it WAITed
+        await alone.admit("a", b"record", DIGESTS, keys.gateway_wake("g"), "", keys.gateway_live("g"))
         off = Admission(client, keys, max_queued=0, output_ttl_s=60)
-        await off.admit("b", b"record", DIGESTS, keys.gateway_wake("g"))
+        await off.admit("b", b"record", DIGESTS, keys.gateway_wake("g"), "", keys.gateway_live("g"))
         assert (alone.num_replicated, alone.num_unreplicated, off.num_replicated) == (0, 0, 0)
         assert await client.xlen(keys.requests) == 2
     finally:

@@ -26,7 +26,7 @@ import pytest
 import gateway_service.main
 import scheduler_service.main
 import worker_service.main
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
+from servicekit.redis_layout import SCHEDULER_GROUP, RedisKeys
 
 from .manifests import OVERLAYS, container_env, find, named_port, one, pod_spec, render, workloads
 

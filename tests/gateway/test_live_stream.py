@@ -1,8 +1,8 @@
 """The gateway's live stream: the scheduler's publish script appends each step's records of the
 requests a gateway admitted to that gateway's live stream too (one entry a step, naming each
-record's output stream and entry id there), and the gateway's fan-out reads that one stream
-instead of one stream per request, once a record came that way. With a real Redis, the real
-publish script and the real fan-out."""
+record's output stream and entry id there), and the gateway's fan-out reads the admitting calls'
+records from that one stream, never from their requests' own streams. With a real Redis, the
+real publish script and the real fan-out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from gateway_service.output_fanout import OutputFanout
 from scheduler_service.intake import RequestEntry, RequestIntake
-from servicekit.redis_keys import RedisKeys, ensure_request_group
+from servicekit.redis_layout import RedisKeys, ensure_request_group
 
 
 async def _collect(sub, into: list, n: int, timeout_s: float = 5.0) -> None:
@@ -53,11 +53,11 @@ async def test_the_publish_script_appends_each_gateways_records_to_its_live_stre
         await client.aclose()
 
 
-async def test_a_live_reader_gets_every_record_once_and_stops_reading_its_own_stream(redis_server):
+async def test_a_live_reader_gets_every_record_once_and_never_reads_its_own_stream(redis_server):
     """Records published by the scheduler's script reach the admitting call through the live
-    stream, each once and in order, whichever way the first one came; its request's key then
-    leaves the blocking read. A second reader of the same request (a resume next to it) reads the
-    request's stream and gets every record too."""
+    stream, each once and in order; its request's key is never in the blocking read. A second
+    reader of the same request (a resume next to it) reads the request's stream and gets every
+    record too."""
     client = aioredis.Redis(port=redis_server.port)
     keys = RedisKeys("live-reader:")
     await ensure_request_group(client, keys)
@@ -93,35 +93,30 @@ async def test_a_live_reader_gets_every_record_once_and_stops_reading_its_own_st
         again: list[bytes] = []
         await _collect(resumed, again, 6)
         assert again == [f"r0:{step}".encode() for step in range(6)]
-        assert all(sub.via_live for sub in owners)
         own_keys = {keys.output(rid).encode() for rid in rids}
-        assert own_keys <= set(read_keys[0])  # read at first
-        assert not own_keys & set(read_keys[-1]) - {keys.output("r0").encode()}  # then only the resume's
-        assert keys.output("r0").encode() in read_keys[-1]
+        assert all(not own_keys & set(streams) - {keys.output("r0").encode()} for streams in read_keys)
+        assert keys.output("r0").encode() in read_keys[-1]  # the resume's
     finally:
         await fanout.stop()
         await client.aclose()
 
 
-async def test_a_live_reader_whose_scheduler_writes_no_live_entries_reads_its_own_stream(redis_server):
-    """A scheduler of an older version ignores the request entry's ``live`` field: the admitting
-    call still gets every record, from its request's own stream."""
+async def test_a_retried_publish_reaches_the_live_stream_of_a_request_forgotten_meanwhile(redis_server):
+    """A step's records are routed when they are made: a request that finished in the step is no
+    longer held, so the scheduler may forget its live stream before a publish retried after a
+    Redis error goes out; the retry still appends its last record there (its admitting call reads
+    nothing else)."""
     client = aioredis.Redis(port=redis_server.port)
-    keys = RedisKeys("live-old:")
+    keys = RedisKeys("live-retry:")
     await ensure_request_group(client, keys)
-    fanout = OutputFanout(client, keys, "gw", block_ms=2000)
-    intake = RequestIntake(client, keys, "s", output_ttl_s=60)  # nothing kept: publishes no live entries
-    sub = fanout.subscribe(keys.output("r"), live=True)
-    fanout.start()
+    intake = RequestIntake(client, keys, "s", output_ttl_s=60)
+    intake.keep_live(RequestEntry("0-1", "r", b"", keys.gateway_live("g")))
     try:
-        await client.xadd(fanout.wake_key, {"w": "1"})
-        for step in range(3):
-            await intake.publish([("r", b"%d" % step)], [])
-        got: list[bytes] = []
-        await _collect(sub, got, 3)
-        assert got == [b"0", b"1", b"2"]
-        assert not sub.via_live
-        assert not await client.exists(fanout.live_key)
+        routed = intake.route([("r", b"last")])
+        intake.forget_live(set())  # r finished: no longer held
+        await intake.publish_routed(routed, [])
+
+        (_id, fields), = await client.xrange(keys.gateway_live("g"))
+        assert list(fields.values()) == [b"last"]
     finally:
-        await fanout.stop()
         await client.aclose()

@@ -8,7 +8,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 
 
 async def test_the_output_fanout_stops_cleanly_with_redis_gone(tmp_path, caplog):

@@ -198,7 +198,7 @@ async def queue_limited_gateway(stack: Stack, hf_tokenizer, prefix: str, max_que
     from gateway_service.main import GatewayApp
     from gateway_service.config import GatewayConfig
     from servicekit.contract.worker import WorkerDescription
-    from servicekit.redis_keys import RedisKeys
+    from servicekit.redis_layout import RedisKeys
     from servicekit.registry import Heartbeat
 
     keys = RedisKeys(prefix)

@@ -58,7 +58,10 @@ class GatedQueue:
         self.gate.set()
         self.publishing = asyncio.Event()
 
-    async def publish(self, outputs, finished_entry_ids) -> None:
+    def route(self, outputs):
+        return outputs
+
+    async def publish_routed(self, outputs, finished_entry_ids) -> None:
         self.publishing.set()
         await self.gate.wait()
         self.finished.extend(finished_entry_ids)

@@ -8,7 +8,7 @@ import asyncio
 from scheduler_service.intake import RequestIntake
 from servicekit.contract.records import OutputRecord, delivered_outputs
 from servicekit.proto.queue import output_record_from_bytes, output_record_to_bytes
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys, ensure_request_group
+from servicekit.redis_layout import SCHEDULER_GROUP, RedisKeys, ensure_request_group
 
 
 async def admit_entries(redis, keys: RedisKeys, n: int) -> list[str]:

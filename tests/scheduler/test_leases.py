@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from scheduler_service.leases import WorkerLeases
-from servicekit.redis_keys import RedisKeys
+from servicekit.redis_layout import RedisKeys
 
 
 async def test_a_lease_has_one_holder_until_released_or_expired(redis):

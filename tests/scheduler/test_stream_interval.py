@@ -108,7 +108,10 @@ class RecordingQueue:
         self.records: list[tuple[str, queue_pb2.EngineOutput]] = []
         self.finished: list[str] = []
 
-    async def publish(self, records, finished_entry_ids) -> None:
+    def route(self, records):
+        return records
+
+    async def publish_routed(self, records, finished_entry_ids) -> None:
         self.records.extend((rid, queue_pb2.EngineOutput.FromString(data)) for rid, data in records)
         self.finished.extend(finished_entry_ids)
 

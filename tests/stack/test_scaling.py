@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from pagedserve.aio_client import AsyncClient
 from pagedserve.errors import AbortedError
-from servicekit.redis_keys import SCHEDULER_GROUP, RedisKeys
+from servicekit.redis_layout import SCHEDULER_GROUP, RedisKeys
 
 from .test_drain import start_worker
 

@@ -1,7 +1,11 @@
-"""The Redis key schema every service shares (DESIGN.md "The path of one request").
+"""The Redis layout every service shares (DESIGN.md "The path of one request"): the keys, the
+field names of stream entries and the consumer group, each spelled here once. The Lua scripts of
+the admission (gateway), the output fan-out and the intake (scheduler) have the field names
+formatted into their text at import.
 
 All keys live under one configurable prefix (default ``ps:``) so two stacks can share a Redis.
-The record formats are in ``protos/pagedserve/v1/queue.proto``.
+The records in ``DATA_FIELD`` are queue.proto's (``servicekit.proto.queue``); that file's header
+describes this layout for readers of the protos.
 """
 
 from __future__ import annotations
@@ -10,6 +14,23 @@ from dataclasses import dataclass
 
 DEFAULT_PREFIX = "ps:"
 SCHEDULER_GROUP = "schedulers"  # the consumer group of the request stream
+
+# -- field names of stream entries ---------------------------------------------------------------
+DATA_FIELD = "data"  # a record: EngineRequest (request and dead-letter entries), EngineOutput (output entries)
+REQUEST_ID_FIELD = "request_id"  # request, abort and dead-letter entries
+LIVE_FIELD = "live"  # request entry: the admitting gateway's live stream, where its records go too
+# The admission marker (an output stream's first entry, empty DATA_FIELD): what a resume must match
+# and the API key that owns the request.
+PROMPT_DIGEST_FIELD = "prompt_digest"
+PARAMS_DIGEST_FIELD = "params_digest"
+OWNER_FIELD = "owner"
+WAKE_FIELD = "w"  # a wake stream entry's one field (its value does not matter)
+# Dead-letter entries, beside REQUEST_ID_FIELD and DATA_FIELD.
+REASON_FIELD = "reason"
+DELIVERIES_FIELD = "deliveries"
+CONSUMER_FIELD = "consumer"
+# A live stream entry has one field per record: "{output stream}{LIVE_SEPARATOR}{entry id there}".
+LIVE_SEPARATOR = " "
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +83,9 @@ class RedisKeys:
 
     @property
     def dead_letters(self) -> str:
-        """Capped stream of requests given up after too many attempts: fields "request_id", "data"
-        (the EngineRequest), "deliveries" and "reason"."""
+        """Capped stream of requests given up after too many attempts: fields ``REQUEST_ID_FIELD``,
+        ``DATA_FIELD`` (the EngineRequest), ``REASON_FIELD``, ``DELIVERIES_FIELD`` and
+        ``CONSUMER_FIELD``."""
         return f"{self.prefix}dead"
 
     def gateway_wake(self, gateway_id: str) -> str:
@@ -72,9 +94,9 @@ class RedisKeys:
 
     def gateway_live(self, gateway_id: str) -> str:
         """A gateway's live stream: with each step's records for the requests it admitted, the
-        schedulers append one entry here (fields ``"{output stream} {entry id}"`` -> the record), so
-        the gateway reads one stream per step however many requests it streams. Trimmed by the
-        gateway as it reads; expires after its last entry."""
+        schedulers append one entry here (fields ``"{output stream} {entry id}"`` -> the record,
+        ``LIVE_SEPARATOR`` between), so the gateway reads one stream per step however many requests
+        it streams. Trimmed by the gateway as it reads; expires after its last entry."""
         return f"{self.prefix}gw:{gateway_id}:live"
 
 
