@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedserve.aio_client import DEFAULT_ADDRESS
-from servicekit.flags import add_flag
+from servicekit.flags import add_flag, add_setting_flags, settings_kwargs
 from servicekit.ports import SCHEDULER_PORT
 
 SERVICES = ("gateway", "scheduler", "worker")
@@ -33,19 +33,17 @@ def _service_main(name: str):
 
 
 def _add_tls_flags(parser: argparse.ArgumentParser, env) -> None:
-    """The TLS files a client uses: the same PAGEDSERVE_TLS_* variables a service's container has,
-    so its healthcheck needs no flags."""
-    add_flag(parser, env, "tls-ca-file", default="", help="CA that signed the server's certificate (TLS)")
-    add_flag(parser, env, "tls-cert-file", default="", help="client certificate, for servers that require one")
-    add_flag(parser, env, "tls-key-file", default="", help="key of --tls-cert-file")
-    add_flag(parser, env, "tls-server-name", default="", help="name in the server's certificate, when it is not "
-                                                              "the host dialed")
+    """The TLS files a client uses (``TlsClientConfig``): the same PAGEDSERVE_TLS_* variables a
+    service's container has, so its healthcheck needs no flags."""
+    from servicekit.tls import TlsClientConfig
+
+    add_setting_flags(parser, env, TlsClientConfig)
 
 
 def _tls(args: argparse.Namespace):
-    from servicekit.tls import TlsFiles
+    from servicekit.tls import TlsClientConfig
 
-    return TlsFiles(args.tls_cert_file, args.tls_key_file, args.tls_ca_file, args.tls_server_name)
+    return TlsClientConfig(**settings_kwargs(TlsClientConfig, args)).tls
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser, env) -> None:

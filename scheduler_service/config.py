@@ -16,7 +16,7 @@ from servicekit.contract.settings import check_settings, project, setting
 from servicekit.ports import SCHEDULER_PORT
 from servicekit.redis_client import OutputStreamConfig, RedisConfig
 from servicekit.service_config import PORT_RANGE, MetricsConfig, ServerConfig
-from servicekit.tls import InternalLinkConfig, TlsFiles
+from servicekit.tls import InternalLinkConfig, TlsClientConfig
 
 
 def default_consumer() -> str:
@@ -25,7 +25,7 @@ def default_consumer() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig(ServerConfig, MetricsConfig, SchedulingConfig, RedisConfig, OutputStreamConfig,
-                      InternalLinkConfig):
+                      TlsClientConfig, InternalLinkConfig):
     """Every knob of a scheduler; each field is also a flag and an env var. The scheduling fields
     apply per worker, within what each worker states (``SchedulingConfig.for_worker``)."""
 
@@ -55,12 +55,6 @@ class SchedulerConfig(ServerConfig, MetricsConfig, SchedulingConfig, RedisConfig
                    "(XAUTOCLAIM); live schedulers refresh theirs every fifth of it")
     max_retries: int = setting(3, minimum=0, help="takeovers of one request before it goes to the dead-letter stream "
                                        "{prefix}dead")
-    tls_server_name: str = setting("", help="name the workers' certificates carry, when it is not the address dialed "
-                                            "(workers register their IPs)")
-
-    @property
-    def tls(self) -> TlsFiles:
-        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)
 
     @property
     def scheduling(self) -> SchedulingConfig:

@@ -21,7 +21,6 @@ that is merely unreachable is left to the callers' retries, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from servicekit.contract.settings import check_settings, setting
@@ -47,16 +46,6 @@ _LOCATION_OPTIONS = ("host", "port", "path", "connection_class")
 
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-class RedisSettings(Protocol):
-    """The fields of a service's settings that :func:`connect` reads."""
-
-    redis_url: str
-    redis_sentinels: tuple[str, ...]
-    redis_master_name: str
-    redis_sentinel_password: str
-    key_prefix: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +86,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def validate(settings: RedisSettings) -> None:
+def validate(settings: RedisConfig) -> None:
     """Raise ValueError naming the field when the Redis settings cannot work."""
     for address in settings.redis_sentinels:
         parse_address(address)
@@ -110,18 +99,18 @@ def validate(settings: RedisSettings) -> None:
     RedisKeys(settings.key_prefix)  # raises ValueError when the prefix cannot name keys
 
 
-def uses_redis(settings: RedisSettings) -> bool:
+def uses_redis(settings: RedisConfig) -> bool:
     """Whether the settings name a Redis at all (a worker may run without one)."""
     return bool(settings.redis_url or settings.redis_sentinels)
 
 
-def server_url(settings: RedisSettings) -> str:
+def server_url(settings: RedisConfig) -> str:
     """The URL of the one Redis server a gateway or scheduler uses without Sentinels: ``redis_url``,
     or ``DEFAULT_REDIS_URL`` when it is empty."""
     return settings.redis_url or DEFAULT_REDIS_URL
 
 
-def uses_sentinel(settings: RedisSettings) -> bool:
+def uses_sentinel(settings: RedisConfig) -> bool:
     return bool(settings.redis_sentinels)
 
 
@@ -156,7 +145,7 @@ def _fast_packing(connection_class: type) -> type:
     return FastPacking
 
 
-def connect(settings: RedisSettings):
+def connect(settings: RedisConfig):
     """A ``redis.asyncio.Redis`` for the service's Redis: the one server of ``redis_url``, or the
     primary the Sentinels name; at most ``MAX_CONNECTIONS`` connections, a command waiting up to
     ``POOL_WAIT_S`` for a free one. Connects lazily (on the first command), so a Redis that is not up
@@ -215,7 +204,7 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-async def check_credentials(client, settings: RedisSettings) -> None:
+async def check_credentials(client, settings: RedisConfig) -> None:
     """PING with the service's credentials; StartupError naming ``redis_url`` when Redis refuses
     them. Any other failure (Redis not up yet) passes: the service's own retries handle it."""
     from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError

@@ -56,16 +56,29 @@ class TlsConfig:
     Whether a service serves or dials with them, and whether client certificates are required,
     is the service's: see its ``--help`` and docs/operations.md."""
 
-    tls_cert_file: str = setting("", help="PEM certificate this service presents (with --tls-key-file; empty: no "
-                                          "TLS)")
+    tls_cert_file: str = setting("", help="PEM certificate presented: a server's own, or a client's to a server that "
+                                          "requires one (with --tls-key-file; empty: none)")
     tls_key_file: str = setting("", help="PEM private key of --tls-cert-file (mount it read-only)")
     tls_ca_file: str = setting("", help="PEM CA certificate: a server requires client certificates it signed "
-                                        "(mutual TLS); a client (the scheduler dialing workers) verifies its servers "
-                                        "with it, and setting it turns TLS to them on")
+                                        "(mutual TLS); a client (the scheduler dialing workers, the client commands) "
+                                        "verifies its servers with it, and setting it turns TLS to them on")
 
     @property
     def tls(self) -> TlsFiles:
         return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TlsClientConfig(TlsConfig):
+    """TLS files of a service or command that dials servers (the scheduler to its workers, the
+    client commands): the files above plus the name to expect in the server's certificate."""
+
+    tls_server_name: str = setting("", help="name the server's certificate carries, when it is not the address "
+                                            "dialed (workers register their IPs)")
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
