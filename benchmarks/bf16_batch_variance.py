@@ -1,4 +1,4 @@
-"""Does a request's greedy output depend on its batch neighbours? (README, "Scaling and fault tolerance")
+"""Does a request's greedy output depend on its batch neighbours? (docs/operations.md, "Faults")
 
 Runs random token-id prompts all together and then each alone through ``pagedserve.LLM`` and counts
 the prompts whose greedy tokens differ. In float32 none should; in bfloat16 rounding in GEMMs of

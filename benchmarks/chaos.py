@@ -7,7 +7,7 @@ The same ``--num-streams`` greedy, seeded streams run twice: once without faults
 once while the topology's victims are killed with SIGKILL when a random share of the run's tokens
 has been delivered. Their requests resume elsewhere from prompt + delivered tokens.
 
-Topologies (workers w, schedulers s; README "Scaling and fault tolerance"):
+Topologies (workers w, schedulers s; docs/operations.md, "Faults"):
   2w1s          one scheduler drives both; a random worker dies (its requests move to the other)
   2w2s          one worker each; the busiest worker dies (its scheduler has none left: it hands
                 its requests back to the group, the other scheduler claims them)
@@ -17,7 +17,7 @@ Topologies (workers w, schedulers s; README "Scaling and fault tolerance"):
   2w-one-sched  3 workers: both workers of the scheduler driving two die; the third serves all
   2w1s-redis-primary  Redis is a primary + a replica + three Sentinels (failing over after 1 s of
                 silence), the services reach it through the Sentinels; the primary dies, the
-                Sentinels promote the replica (README "Redis high availability")
+                Sentinels promote the replica (docs/operations.md, "Redis high availability")
 
 Reported (goals in brackets): requests lost [0], duplicated indices [0], missing indices [0],
 outputs that differ from the reference [0], the longest stall a client saw (largest gap between

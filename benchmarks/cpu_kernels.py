@@ -1,5 +1,5 @@
 """The CPU path's C kernels alone, on realistic shapes (SmolLM2-135M: 9 query heads, 3 KV heads,
-head_dim 64, 30 layers, hidden 576), beside what they replace — the figures the README
+head_dim 64, 30 layers, hidden 576), beside what they replace — the figures benchmarks/README.md
 quotes.
 
 - ``decode``: ``kernels.cpu`` decode attention over a 30-layer bf16 cache of 4,369 blocks (as the

@@ -1,7 +1,7 @@
 """The gateway's half of the public API (generation.proto): a Generate or Tokenize call's input,
 validated, and the chunks it streams. What the SDK builds and the gateway reads the same way
 (chats, usage, model facts) is ``servicekit.proto.generation``; the Redis records are
-``servicekit.proto.queue``. Nothing else in the gateway touches ``*_pb2`` (STYLE.md 5)."""
+``servicekit.proto.queue``. Nothing else in the gateway touches ``*_pb2``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One blocking XREAD loop per gateway for the outputs of all its requests, fanned out to
-per-request asyncio queues (DESIGN.md decision 10: no per-request connections).
+per-request asyncio queues (docs/architecture.md, decision 10: no per-request connections).
 
 Two ways in, one per reader. The call that admitted a request here is its *live* reader: with
 each step's records the schedulers append one entry to the gateway's live stream

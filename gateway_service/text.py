@@ -1,4 +1,4 @@
-"""The text path, once for both engines (DESIGN.md decision 7): the gateway and ``pagedserve.LLM``
+"""The text path, once for both engines (docs/architecture.md, decision 7): the gateway and ``pagedserve.LLM``
 load the tokenizer, apply chat templates, detokenize incrementally and match stop strings with
 this module, so the same request gives the same tokens and text in-process and served.
 

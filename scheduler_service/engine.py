@@ -1,4 +1,4 @@
-"""The engine loop of one worker (DESIGN.md "The path of one request"):
+"""The engine loop of one worker (docs/architecture.md, "The path of one request"):
 
     admit new requests / apply aborts → schedule() → Step → update_from_output() → publish
 

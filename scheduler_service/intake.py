@@ -3,7 +3,7 @@ the requests it takes in, the output streams it writes, the abort stream it foll
 pending entries it keeps, reclaims or gives up. Transport only: records arrive and leave as bytes
 (``servicekit.proto.queue`` encodes them).
 
-Backpressure stays in Redis (DESIGN.md): :meth:`RequestIntake.pull` is only called for as many
+Backpressure stays in Redis (docs/operations.md, "Scaling"): :meth:`RequestIntake.pull` is only called for as many
 requests as the scheduler has room for; the rest wait in the stream, where gateways see the
 backlog and refuse new work with RESOURCE_EXHAUSTED past their limit.
 

@@ -1,4 +1,4 @@
-"""Worker leases: which scheduler drives which worker (DESIGN.md decision 4 across schedulers).
+"""Worker leases: which scheduler drives which worker (docs/architecture.md, decision 12).
 
 A worker's KV cache mirrors exactly one scheduler's block pool, so exactly one scheduler may drive
 it. The lease is ``{prefix}lease:{worker_id}`` holding the driving scheduler's consumer name, set

@@ -1,4 +1,4 @@
-"""KV-aware placement of a request on one of a scheduler's workers (DESIGN.md decision 4).
+"""KV-aware placement of a request on one of a scheduler's workers (docs/architecture.md, decision 4).
 
 Each worker has its own block pool, so a prefix cached on one worker is a hit only there. A new
 (or resumed) request goes to the worker whose prefix cache holds the longest prefix of it, ties

@@ -16,7 +16,7 @@ Tasks (all on one event loop):
 A worker lost mid-generation hands its requests back (prompt + delivered outputs); they resume on
 another worker of this scheduler. With none left, they go back to the consumer group when another
 scheduler drives a worker (it claims them at its next pending pass: within ``reclaim_interval_s``),
-or wait here until a worker joins (DESIGN.md decision 5).
+or wait here until a worker joins (docs/architecture.md, decision 5).
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ each such field into ``--field-name`` (type, default and choices from the field)
 the ``PAGEDSERVE_FIELD_NAME`` environment variable, and :func:`settings_kwargs` reads the parsed
 values back into the dataclass's keyword arguments. Precedence: command-line flag > environment
 variable (or the file ``PAGEDSERVE_FIELD_NAME_FILE`` names: secrets mounted as files) > the field's
-default. ``--help`` shows each flag's variable and effective default
-(STYLE.md habits 4 and 15).
+default. ``--help`` shows each flag's variable and effective default.
 """
 
 from __future__ import annotations

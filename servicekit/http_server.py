@@ -88,7 +88,7 @@ class HttpServer:
         """Serve on the bound socket; returns once uvicorn accepts connections."""
         assert self._sock is not None, "bind first"
         tls = {}
-        if self._tls is not None:  # read once at start (gRPC re-reads at each handshake; README "Security")
+        if self._tls is not None:  # read once at start (gRPC re-reads at each handshake; docs/operations.md "Security")
             tls = dict(ssl_certfile=self._tls.cert_file, ssl_keyfile=self._tls.key_file)
             if self._tls.ca_file:
                 tls.update(ssl_ca_certs=self._tls.ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)

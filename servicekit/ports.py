@@ -1,4 +1,4 @@
-"""The default ports of the stack (DESIGN.md "Defaults"), named once: each service's settings and
+"""The default ports of the stack (docs/architecture.md, "Defaults"), named once: each service's settings and
 ``pagedserve serve`` start from these."""
 
 GATEWAY_PORT = 50051  # gRPC: pagedserve.v1.Generation

@@ -1,4 +1,4 @@
-"""The Redis layout every service shares (DESIGN.md "The path of one request"): the keys, the
+"""The Redis layout every service shares (docs/architecture.md, "The path of one request"): the keys, the
 field names of stream entries and the consumer group, each spelled here once. The Lua scripts of
 the admission (gateway), the output fan-out and the intake (scheduler) have the field names
 formatted into their text at import.

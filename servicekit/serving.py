@@ -1,6 +1,6 @@
 """What every service's gRPC server shares: error mapping, health, reflection, draining, logging.
 
-- :class:`ErrorMappingInterceptor` maps typed errors to status codes once (DESIGN.md decision 8),
+- :class:`ErrorMappingInterceptor` maps typed errors to status codes once (docs/architecture.md, decision 8),
   and request bytes that do not decode to INVALID_ARGUMENT.
 - :class:`ServerLifecycle` owns a ``grpc.aio`` server with ``grpc.health.v1`` and reflection;
   :meth:`ServerLifecycle.drain` flips health to NOT_SERVING, lets in-flight work finish within the

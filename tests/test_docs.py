@@ -1,4 +1,4 @@
-"""The documents stay what their readers need (STYLE.md habit 16): a short README for a user's first
+"""The documents stay what their readers need: a short README for a user's first
 ten minutes, docs/ for the rest, measured history only under benchmarks/results/, and no link or
 path that points at nothing.
 

@@ -1,5 +1,6 @@
-"""The floors of DESIGN.md hold: import-linter's contracts (pyproject ``[tool.importlinter]``), and a
-client that imports only the SDK and runs the client commands pulls in no server dependency."""
+"""The floors of docs/architecture.md ("Packages") hold: import-linter's contracts (pyproject
+``[tool.importlinter]``), and a client that imports only the SDK and runs the client commands pulls
+in no server dependency."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ threads (gRPC's pollers, the event loop) waking each step, and the stack's other
 it; threads then migrate between cores and two OpenMP threads may share one while the other spins
 at a barrier. Pinned this way the service threads can only ever preempt the runner thread (which
 runs them in the gap between steps anyway), and each OpenMP helper keeps its core. Measured on a
-2-core host with the whole stack on it: see README, "The served stack beside the in-process engine".
+2-core host with the whole stack on it: see benchmarks/results/README.md,
+"The served stack beside the in-process engine".
 
 Only done when it cannot stack threads: a CPU worker whose torch thread count equals the number of
 CPUs it may use (a worker given fewer threads than CPUs may share the machine with another one, and

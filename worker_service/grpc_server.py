@@ -1,5 +1,5 @@
 """The worker's gRPC service: Describe, the Step bidirectional stream, and Reset, around a model
-runner (DESIGN.md decisions 3 and 10).
+runner (docs/architecture.md, decisions 3 and 10).
 
 The runner is blocking torch code; every call into it runs on one dedicated thread, so the event
 loop keeps answering health checks and moving stream messages during a long forward pass. One

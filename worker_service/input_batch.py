@@ -1,7 +1,7 @@
 """The persistent batch: every running request's token ids, block table and sampling settings.
 
 State lives in preallocated CPU numpy arrays, one row per request, kept between steps and changed
-only by each step's diff (DESIGN.md decision 3). A row is given to a request when it arrives and
+only by each step's diff (docs/architecture.md, decision 3). A row is given to a request when it arrives and
 returned when it finishes or is preempted; rows need not be contiguous (a step gathers the rows it
 schedules with one fancy index).
 

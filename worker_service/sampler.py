@@ -1,6 +1,6 @@
 """Turn one step's logits into tokens: penalties, temperature, top-k / top-p / min-p, top-n logprobs.
 
-Randomness is a pure function of (request seed, output position, token id) — DESIGN.md decision 6.
+Randomness is a pure function of (request seed, output position, token id) — docs/architecture.md, decision 6.
 Sampling is Gumbel-max: ``argmax(logits / T + g)`` with ``g = -log(-log(u))`` is an exact draw from
 ``softmax(logits / T)`` (restricted to the tokens the filters keep), and ``u`` comes from a
 counter-based hash (splitmix64 of seed, position and token id) computed with torch integer ops over

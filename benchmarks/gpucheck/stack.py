@@ -46,7 +46,7 @@ def run(ctx: Context) -> dict:
             __import__(module)
         except ImportError as error:
             return dict(passed=False, skipped=f"cannot import {module}: {error} (carry .gpu-wheels and "
-                                                 "servicekit/proto/proto_gen: README.md, GPU check)")
+                                                 "servicekit/proto/proto_gen: benchmarks/README.md, GPU)")
     sizes = DRY if ctx.dry else REAL
     folder = ctx.work / MODEL
     model = build_model(MODEL, ctx.dry, ctx.device, torch.bfloat16)

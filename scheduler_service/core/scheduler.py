@@ -2,7 +2,7 @@
 
 One engine step is ``schedule()`` → the worker runs the ``SchedulerOutput`` → ``update_from_output()``.
 The scheduler owns request state and the worker's block pool; it reads no clock and draws no
-randomness except from the ``seed_rng`` it was handed (DESIGN.md decision 1).
+randomness except from the ``seed_rng`` it was handed (docs/architecture.md, decision 1).
 """
 
 from __future__ import annotations

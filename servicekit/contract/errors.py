@@ -2,7 +2,7 @@
 
 Standard library only, so the scheduler core raises them too. Each class names the gRPC status code
 it travels as; ``servicekit.serving.ErrorMappingInterceptor`` turns a raised error into that status
-in one place (DESIGN.md decision 8), and ``servicekit.proto.status.error_from_rpc`` turns a status
+in one place (docs/architecture.md, decision 8), and ``servicekit.proto.status.error_from_rpc`` turns a status
 back into the same class, so ``except pagedserve.errors.InvalidArgumentError as e: e.field`` works
 across the wire.
 """

@@ -100,7 +100,7 @@ class SamplingParams:
         return replace(self, seed=seed)
 
     def seeded(self, rng: random.Random) -> SamplingParams:
-        """The one place a seed is assigned (DESIGN.md decision 6): ``self`` when it has one, else a
+        """The one place a seed is assigned (docs/architecture.md, decision 6): ``self`` when it has one, else a
         copy with a seed drawn from ``rng`` (the gateway's at admission, the offline engine's)."""
         if self.seed is not None:
             return self

@@ -1,6 +1,6 @@
 """What crosses the seam between the scheduler core and a worker, in both directions.
 
-``SchedulerOutput`` is a *diff* (DESIGN.md decision 3): a worker keeps each running request's token
+``SchedulerOutput`` is a *diff* (docs/architecture.md, decision 3): a worker keeps each running request's token
 ids and block table between steps, so a step carries new requests in full and, for requests the
 worker already holds, only their newly allocated block ids and computed-token counts.
 

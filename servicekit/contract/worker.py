@@ -2,7 +2,7 @@
 
 A worker answers ``Describe`` with it (worker.proto ``DescribeResponse``), registers it in Redis with
 the address to dial (``servicekit.registry``), and a scheduler keeps one per driven worker and sizes
-that worker's block pool and batch from it (DESIGN.md decision 4).
+that worker's block pool and batch from it (docs/architecture.md, decision 4).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Generate the protobuf / gRPC Python code from ``protos/`` into ``servicekit/proto/proto_gen/``.
 
-The one command that produces generated code (STYLE.md 7), used by ``make gen``, CI, the
+The one command that produces generated code, used by ``make gen``, CI, the
 Dockerfile and the service tests::
 
     python -m servicekit.proto.gen [--check]

@@ -1,7 +1,7 @@
 """The shared messages of sampling.proto as to/from pairs: SamplingParams, FinishReason,
 TokenLogprobs. Every other protocol module (``step``, ``queue``, ``generation``) and the SDK build
 on these; nothing outside ``servicekit.proto``, the services' ``grpc_server.py`` / ``convert.py`` and
-the SDK's wire layer touches ``*_pb2`` (STYLE.md 5).
+the SDK's wire layer touches ``*_pb2``.
 """
 
 from __future__ import annotations

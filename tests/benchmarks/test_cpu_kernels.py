@@ -1,4 +1,4 @@
-"""benchmarks/cpu_kernels.py runs (tiny sizes): it cannot rot between the runs the README quotes."""
+"""benchmarks/cpu_kernels.py runs (tiny sizes): it cannot rot between the runs benchmarks/README.md quotes."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.service, pytest.mark.slow, pytest.m
 NUM_STREAMS = 12
 MAX_TOKENS = 64
 PROMPTS = [f"Request {i}: the river carried the boats past the mill" for i in range(NUM_STREAMS)]
-FINISH_WITHIN_S = 60  # far beyond the bounded wait (README fault table); today's stranded ones never finish
+FINISH_WITHIN_S = 60  # far beyond the bounded wait (docs/operations.md fault table); today's stranded ones never finish
 REJOIN_AFTER_S = 5.0
 
 

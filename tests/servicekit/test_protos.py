@@ -1,4 +1,4 @@
-"""The protos document every service, rpc, message, enum value and field (STYLE.md 6), and the
+"""The protos document every service, rpc, message, enum value and field, and the
 generated code is what `python -m servicekit.proto.gen` makes of them."""
 
 from __future__ import annotations

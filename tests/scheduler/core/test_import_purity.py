@@ -1,4 +1,4 @@
-"""The core imports the standard library only (DESIGN.md decision 1)."""
+"""The core imports the standard library only (docs/architecture.md, decision 1)."""
 
 from __future__ import annotations
 
