@@ -1,7 +1,9 @@
-"""SIGTERM semantics of the worker and the scheduler (NOT_SERVING at once, held requests finish,
-then the server stops), and a worker lost mid-generation (its request waits for another worker and
-resumes there). Each test builds a stack of its own under its own key prefix, so the shared one
-stays up."""
+"""SIGTERM semantics of each service: a gateway (NOT_SERVING at once, new calls refused, live
+streams finish within the grace, those still live after it go on through another gateway), the
+worker and the scheduler (NOT_SERVING at once, held requests finish, then the server stops), and a
+worker lost mid-generation (its request waits for another worker and resumes there). The gateway
+tests drain a gateway of their own beside the shared stack; the others each build a stack of their
+own under their own key prefix, so the shared one stays up."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import logging
 import pytest
 
 from pagedserve.aio_client import AsyncClient
+from pagedserve.errors import UnavailableError
 from servicekit.contract.sampling_params import SamplingParams
 
 from helpers.stack import DTYPE, MAX_NUM_SEQS, NUM_BLOCKS
@@ -58,6 +61,52 @@ async def own_stack(prefix: str, tiny_model_dir, hf_model, hf_tokenizer, redis_u
         for app in (scheduler, worker):
             if not app.lifecycle.draining:
                 await app.drain(1)
+
+
+async def test_draining_gateway_is_not_serving_refuses_new_calls_and_finishes_live_streams(stack, hf_tokenizer):
+    from gateway_service.main import GatewayApp
+    from gateway_service.config import GatewayConfig
+
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url, read_block_ms=200),
+                         hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    address = f"127.0.0.1:{gateway.port}"
+    async with AsyncClient(address, timeout=60, retries=0) as client:
+        stream = client.stream("Drain me slowly", max_tokens=120, ignore_eos=True)
+        first = await stream.__anext__()
+        drain = asyncio.create_task(gateway.drain(grace_s=30))
+        await asyncio.sleep(0.05)
+        assert await health(address) == NOT_SERVING
+        assert await health(address, "pagedserve.v1.Generation") == NOT_SERVING
+        with pytest.raises(UnavailableError):
+            await client.generate("too late", max_tokens=2)
+        rest = [c async for c in stream]
+        await asyncio.wait_for(drain, 30)
+    tokens = len(first.token_ids) + sum(len(c.token_ids) for c in rest)
+    assert tokens == 120 and rest[-1].finish_reason == "length"
+
+
+async def test_a_drain_past_its_grace_hands_live_streams_to_another_gateway(stack, hf_tokenizer, llm):
+    """Streams still live when the drain grace ends are ended UNAVAILABLE with their requests left
+    running, so the SDK resumes them on the next gateway: every token once, the same as LLM's."""
+    from gateway_service.main import GatewayApp
+    from gateway_service.config import GatewayConfig
+    from servicekit.contract.sampling_params import SamplingParams
+
+    prompt, max_tokens = "Hand me over", 400
+    expected = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    gateway = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                         read_block_ms=200), hf_tokenizer=hf_tokenizer)
+    await gateway.start()
+    async with AsyncClient(f"127.0.0.1:{gateway.port},{stack.gateway_address}", timeout=60) as client:
+        stream = client.stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        chunks = [await stream.__anext__()]
+        drain = asyncio.create_task(gateway.drain(grace_s=0.2))
+        chunks += [c async for c in stream]
+        await asyncio.wait_for(drain, 30)
+        assert stream._failover.address_index == 1, "the stream ended before the grace did: nothing was handed over"
+    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+    assert chunks[-1].finish_reason == "length"
 
 
 async def test_draining_worker_and_scheduler_finish_what_they_hold(tiny_model_dir, hf_model, hf_tokenizer,
