@@ -21,6 +21,13 @@ def bf16_norm(seed: int = 0) -> RMSNorm:
     return norm.to(torch.bfloat16)
 
 
+@pytest.fixture(autouse=True)
+def _same_inputs_whatever_ran_before():
+    """Inputs drawn from torch's global generator are the same in any test order: with one row, a
+    single last-bit difference is already 0.4 % of the elements."""
+    torch.manual_seed(0)
+
+
 def torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """RMSNorm.forward's torch code, whatever path the module would take."""
     h = x.float()
