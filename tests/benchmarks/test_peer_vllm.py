@@ -57,7 +57,8 @@ def test_vllm_runs_bound_to_the_allowed_cpus_with_our_kv_budget_and_tcmalloc(mon
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # whole GiB, rounded up: never less than ours
     assert env["OMP_NUM_THREADS"] == "2" and "PYTHONPATH" not in env
     assert ("LD_PRELOAD" in env) == os.path.exists(peer.TCMALLOC)
-    assert set(peer.settings(env)) <= {"VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert set(peer.settings(env)) <= {"VLLM_TARGET_DEVICE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS",
                                        "LD_PRELOAD"}
 
 
