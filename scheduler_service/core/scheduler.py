@@ -33,6 +33,9 @@ from servicekit.contract.worker import WorkerDescription
 log = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
+# Waiting requests (from the head) looked at for a prefix a capped prefill chunk shares with them:
+# those admitted in the next steps, at a bounded cost per step.
+SHARED_PREFIX_LOOKAHEAD = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +154,7 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
-        threshold = self._chunk_threshold()
+        threshold, shared = self._chunk_threshold()
         num_scheduled: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
@@ -162,9 +165,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = len(request.all_token_ids) - request.num_computed_tokens
-            if 0 < threshold < n:
-                n = threshold
+            n = self._capped(request, request.num_computed_tokens,
+                             len(request.all_token_ids) - request.num_computed_tokens, threshold, shared)
             if n > 1:
                 n = self._attention_cap(request.num_computed_tokens, n)
             if n > budget:
@@ -197,9 +199,7 @@ class Scheduler:
         while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             request = waiting.peek()
             computed_blocks, num_computed = kv.get_computed_blocks(request)
-            n = request.num_tokens - num_computed
-            if 0 < threshold < n:
-                n = threshold
+            n = self._capped(request, num_computed, request.num_tokens - num_computed, threshold, shared)
             if n > 1:
                 n = self._attention_cap(num_computed, n)
             if n > budget:
@@ -362,19 +362,56 @@ class Scheduler:
             return None
         return entries
 
-    def _chunk_threshold(self) -> int:
-        """The most tokens one request computes this step (0 = no cap): the hard cap, tightened to
-        the shared cap while another request waits or runs, so a long prompt's chunks keep the step
-        short for newcomers' first tokens and for decoding requests' next ones. A prompt alone keeps
-        the whole budget (still within the attention cap)."""
+    def _chunk_threshold(self) -> tuple[int, bool]:
+        """The most tokens one request computes this step (0 = no cap), and whether that is the
+        shared cap: the hard cap, tightened to the shared cap while another request waits or runs,
+        so a long prompt's chunks keep the step short for newcomers' first tokens and for decoding
+        requests' next ones. A prompt alone keeps the whole budget (still within the attention
+        cap)."""
         cfg = self.config
         if not cfg.enable_chunked_prefill:
-            return 0
+            return 0, False
         threshold = cfg.long_prefill_token_threshold
         shared = cfg.shared_prefill_token_threshold
         if shared and not 0 < threshold <= shared and len(self.running) + len(self.waiting) >= 2:
-            threshold = shared
-        return threshold
+            return shared, True
+        return threshold, False
+
+    def _capped(self, request: Request, context: int, n: int, threshold: int, shared: bool) -> int:
+        """``n`` tokens after ``context`` cut by the chunk threshold. The shared cap does not cut a
+        prefix the request shares with a request that waits (:meth:`_shared_prefix_end`): those
+        wait for that prefix too, and a chunk cut inside it would leave each of them to compute the
+        rest again (a block enters the prefix cache when it is allocated for its tokens)."""
+        if 0 < threshold < n:
+            end = self._shared_prefix_end(request) if shared else 0
+            n = max(threshold, min(n, end - context))
+        return n
+
+    def _shared_prefix_end(self, request: Request) -> int:
+        """Tokens of the longest prefix of full blocks ``request`` shares with one of the first
+        ``SHARED_PREFIX_LOOKAHEAD`` waiting requests (0 without prefix caching). Block hashes are
+        chained, so two requests share blocks ``[0, j)`` exactly when their hashes at ``j - 1`` are
+        equal: a binary search per request."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        hashes = request.block_hashes
+        best = 0
+        for k, other in enumerate(self.waiting):
+            if k >= SHARED_PREFIX_LOOKAHEAD:
+                break
+            theirs = other.block_hashes
+            hi = min(len(hashes), len(theirs))
+            if other is request or hi <= best or hashes[best] != theirs[best]:
+                continue
+            lo = best + 1  # invariant: blocks [0, lo) shared; find the largest such lo <= hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid - 1] == theirs[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo
+        return best * self.block_size
 
     def _attention_cap(self, context: int, n: int) -> int:
         """``n`` cut so that a chunk after ``context`` cached tokens attends at most

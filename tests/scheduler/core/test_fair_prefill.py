@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import make_request, make_scheduler, step
+from .helpers import make_prompt, make_request, make_scheduler, step
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.scheduling import (
     DEFAULT_SHARED_PREFILL_TOKEN_THRESHOLD,
@@ -104,6 +104,38 @@ def test_requests_that_decode_share_the_step_too():
     out, _ = step(s)
 
     assert out.num_scheduled_tokens == {decoding.request_id: 1, long.request_id: SHARED}
+
+
+def test_a_prefix_that_waiting_requests_share_is_prefilled_whole_once():
+    """Cut at the shared cap, the first of eight prompts sharing a 1,024-token prefix would leave the
+    other seven to compute the prefix's second half each; the cap spares the shared prefix, so they
+    all hit it in the same step and compute only their own 64 tokens."""
+    s = make_scheduler(**LONG_WORKER)
+    prefix = make_prompt(1024, "system prompt")
+    requests = [make_request(prompt_token_ids=prefix + make_prompt(64, i), max_tokens=4) for i in range(8)]
+    for r in requests:
+        s.add_request(r)
+    first, rest = requests[0], requests[1:]
+
+    out, _ = step(s)
+
+    assert out.num_scheduled_tokens[first.request_id] == 1024  # the shared prefix, past the 512 cap
+    assert all(out.num_scheduled_tokens[r.request_id] == 64 for r in rest)
+    assert all(r.num_cached_tokens == 1024 for r in rest)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens[first.request_id] == 64  # its own part: within the cap again
+
+
+def test_the_cap_still_cuts_a_prompt_that_shares_nothing_with_those_that_wait():
+    s = make_scheduler(**LONG_WORKER)
+    long = make_request(1500, max_tokens=4)
+    others = [make_request(prompt_token_ids=make_prompt(1024, "other") + make_prompt(8, i)) for i in range(2)]
+    for r in (long, *others):
+        s.add_request(r)
+
+    out, _ = step(s)
+
+    assert out.num_scheduled_tokens[long.request_id] == SHARED
 
 
 def test_both_caps_can_be_turned_off_and_a_tighter_hard_cap_wins():
