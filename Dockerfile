@@ -5,7 +5,7 @@ FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 
-# A C compiler for the CPU path's decode-attention kernel (kernels/csrc/), built with -march=native
+# A C compiler for the CPU path's decode-attention kernel (paged_kernels/csrc/), built with -march=native
 # on the host that runs the container, at first use (cached in the user's ~/.cache).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
@@ -21,7 +21,7 @@ COPY pagedserve ./pagedserve
 COPY gateway_service ./gateway_service
 COPY scheduler_service ./scheduler_service
 COPY worker_service ./worker_service
-COPY kernels ./kernels
+COPY paged_kernels ./paged_kernels
 
 # Generated code is never committed: the one command writes it, then the install packages it, with
 # the versions the tests ran with for the packages pinned in benchmarks/gpu_wheels.txt.

@@ -44,10 +44,10 @@ install: $(STAMP) gen native kubectl
 gen: $(STAMP)
 	@if [ -f servicekit/proto/gen.py ]; then $(PY) -m servicekit.proto.gen; fi
 
-# The CPU attention kernels (kernels/csrc/, C + OpenMP) for this machine, cached under
+# The CPU attention kernels (paged_kernels/csrc/, C + OpenMP) for this machine, cached under
 # ~/.cache/pagedserve/kernels; without a C compiler it says so and the torch reference is used.
 native: $(STAMP)
-	$(PY) -m kernels.native
+	$(PY) -m paged_kernels.native
 
 # kubectl renders deploy/k8s in `make test` (tests/deploy; its built-in kustomize, no cluster needed).
 # Debian's apt has it where a Kubernetes apt source is configured (pkgs.k8s.io); stock Debian 12 has

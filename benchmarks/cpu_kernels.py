@@ -2,16 +2,16 @@
 head_dim 64, 30 layers, hidden 576), beside what they replace — the figures benchmarks/README.md
 quotes.
 
-- ``decode``: ``kernels.cpu`` decode attention over a 30-layer bf16 cache of 4,369 blocks (as the
+- ``decode``: ``paged_kernels.cpu`` decode attention over a 30-layer bf16 cache of 4,369 blocks (as the
   offline benchmark allocates), 32 sequences of 350–650 tokens on shuffled blocks, one call per layer
-  as a step makes them. ``--against REV`` also builds ``kernels/csrc/paged_decode_attention.c`` as it
+  as a step makes them. ``--against REV`` also builds ``paged_kernels/csrc/paged_decode_attention.c`` as it
   was at git revision REV and alternates the two in this process (same inputs, same cache). Printed
   beside: ``C read``, a C loop reading exactly the rows the kernel reads in its order (the floor
   under the kernel), and ``plain read``, torch's ``index_select`` copy of the same whole blocks.
 - ``prefill``: one sequence's prefill chunk (64, 288, 512 and 2,048 new tokens, no cached context,
   head-major bf16 and fp32 caches on shuffled blocks) through the C kernel, a row per token
-  (``kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``kernels.cpu._prefill``).
-- ``fused``: ``kernels.cpu_fused`` (RMSNorm after its residual add, rotary, SiLU(gate) * up of the
+  (``paged_kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``paged_kernels.cpu._prefill``).
+- ``fused``: ``paged_kernels.cpu_fused`` (RMSNorm after its residual add, rotary, SiLU(gate) * up of the
   fused gate/up output) against the torch code of ``worker_service.models`` at 32, 512 and 2,048
   tokens.
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kernels import cpu, cpu_fused, native
+from paged_kernels import cpu, cpu_fused, native
 from worker_service.cpu_memory import tune_malloc, zeros
 from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
@@ -57,7 +57,7 @@ def _timed(fn, repeat: int) -> float:
 
 def _built(files: dict[str, bytes], source: str, symbol: str) -> ctypes._CFuncPtr:
     """``symbol`` of ``source`` (one of ``files``, written to a fresh folder) built with the kernels'
-    flags (kernels.native), its types left for the caller to set."""
+    flags (paged_kernels.native), its types left for the caller to set."""
     folder = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
     for name, text in files.items():
         (folder / name).write_bytes(text)
@@ -71,7 +71,7 @@ def _old_kernel(rev: str, like: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
     """The bf16 entry point of the decode kernel's source at ``rev``, built with today's flags."""
     files = {}
     for name in ("paged_decode_attention.c", "bf16.h"):
-        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:kernels/csrc/{name}"], capture_output=True, check=False)
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:paged_kernels/csrc/{name}"], capture_output=True, check=False)
         if shown.returncode == 0:
             files[name] = shown.stdout
     fn = _built(files, "paged_decode_attention.c", "paged_decode_attention_bf16")

@@ -8,7 +8,7 @@ Sections (each in its own process, so a CUDA fault or a hang in one does not tak
 under its own time budget, inside a global one):
 
 1. ``kernels``  — KV write and paged attention (decode / mixed prefill-chunk batches, GQA, split-K)
-   in fp32, fp16 and bf16 against ``kernels.reference``;
+   in fp32, fp16 and bf16 against ``paged_kernels.reference``;
 2. ``models``   — greedy parity of tiny random Llama and Qwen2 with transformers (fp32: batched,
    chunked, preempted), and bf16's agreement with fp32;
 3. ``kernel_speed`` — ``benchmarks/gpu_kernels.py --quick``: decode attention's bandwidth as a

@@ -153,9 +153,9 @@ def compare(name: str, out: torch.Tensor, expected: torch.Tensor, rel_tol: float
 
 
 def check_correctness(device: str) -> list[dict]:
-    from kernels.cache import reshape_and_cache
-    from kernels.paged_attention import paged_attention
-    from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+    from paged_kernels.cache import reshape_and_cache
+    from paged_kernels.paged_attention import paged_attention
+    from paged_kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
     results = []
     torch.manual_seed(0)
@@ -234,7 +234,7 @@ def fits(batch: int, context: int) -> bool:
 
 def heuristic_splits(batch: int, device: str) -> int:
     """The split count the launcher picks for a decode batch of this size."""
-    from kernels.paged_attention import _choose_config
+    from paged_kernels.paged_attention import _choose_config
 
     config = _choose_config(
         num_tokens=batch,
@@ -252,7 +252,7 @@ def heuristic_splits(batch: int, device: str) -> int:
 def launcher_overhead_us(device: str) -> float:
     """Host time of one ``paged_attention`` call (checks, config, launch) on a tiny batch, where
     the GPU work is negligible: what a step pays per layer without CUDA graphs."""
-    from kernels.paged_attention import paged_attention
+    from paged_kernels.paged_attention import paged_attention
 
     data = make_batch([1] * 4, [16] * 4, device)
     out = torch.empty_like(data["query"])
@@ -278,7 +278,7 @@ def time_decode(batch: int, context: int, device: str, split_sweep: bool) -> dic
 
 
 def time_paged_decode(batch: int, context: int, device: str, split_sweep: bool) -> dict:
-    from kernels.paged_attention import paged_attention
+    from paged_kernels.paged_attention import paged_attention
 
     data = make_batch([1] * batch, [context] * batch, device)
     out = torch.empty_like(data["query"])
@@ -338,7 +338,7 @@ def config_sweep(device: str, points: list[tuple[int, int]]) -> list[dict]:
 
 
 def sweep_point(batch: int, context: int, device: str) -> list[dict]:
-    from kernels.paged_attention import _launch, _LaunchConfig
+    from paged_kernels.paged_attention import _launch, _LaunchConfig
 
     data = make_batch([1] * batch, [context] * batch, device)
     args = [data[k] for k in ("query", "key_cache", "value_cache", "block_tables")]

@@ -133,9 +133,9 @@ def install(llm: Any) -> Iterator[StepProfile]:
     ]
     if backend == "cpu":
         # The tuned CPU path runs prefill chunks and decode rows through the C kernel (or, without
-        # it, SDPA and the batched torch decode), all looked up in kernels.cpu at call time; a
+        # it, SDPA and the batched torch decode), all looked up in paged_kernels.cpu at call time; a
         # call's exclusive time is charged, so the SDPA fallback inside _native_prefill is its own row.
-        import kernels.cpu as cpu
+        import paged_kernels.cpu as cpu
 
         targets.append((cpu, "_native_prefill", w("attention prefill (cpu: C kernel)", cpu._native_prefill)))
         targets.append((cpu, "_prefill", w("attention prefill (cpu: gather + SDPA)", cpu._prefill)))

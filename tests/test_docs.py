@@ -31,7 +31,7 @@ NOTEBOOK_EXEMPT = ("benchmarks/results/", ".venv/")
 MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCED_BLOCK = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
-# A repository path as architecture.md writes one: `servicekit/contract/`, `kernels/reference.py`.
+# A repository path as architecture.md writes one: `servicekit/contract/`, `paged_kernels/reference.py`.
 SLASH_PATH = re.compile(r"[A-Za-z_][\w.-]*(/[\w.-]+)*/?")
 # A dotted module path: `servicekit.contract.errors`, `pagedserve.LLM`.
 DOTTED_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_ONLY = ("torch", "transformers", "triton", "redis", "numpy", "scheduler_service", "worker_service",
-               "gateway_service", "kernels")
+               "gateway_service", "paged_kernels")
 
 
 def test_import_contracts_hold():
@@ -46,3 +46,18 @@ def test_client_sdk_and_client_commands_import_no_server_dependency():
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1:] in ([], [""]), f"client imported: {result.stdout}"
+
+
+def test_each_top_level_package_name_is_ours_alone():
+    """A top-level package that shares its import name with another distribution shadows it (from the
+    repository root) and fools libraries that probe for it: transformers took a folder once called
+    ``kernels`` for Hugging Face's ``kernels`` and imported from it."""
+    import importlib.metadata
+    import importlib.util
+    import tomllib
+
+    roots = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    owners = importlib.metadata.packages_distributions()
+    for name in roots:
+        assert set(owners.get(name, ["pagedserve"])) == {"pagedserve"}, (name, owners[name])
+        assert Path(importlib.util.find_spec(name).origin).is_relative_to(REPO), name

@@ -9,7 +9,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from kernels import BACKENDS as ATTENTION_BACKENDS
+from paged_kernels import BACKENDS as ATTENTION_BACKENDS
 from servicekit import redis_client
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.scheduling import BatchLimits
@@ -72,7 +72,7 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS, help="paged-attention implementation: " + "; ".join(
         f"{name} = {what}" for name, what in ATTENTION_BACKENDS.items()))
     # CPU tuning (no effect on CUDA)
-    native_kernels: bool = setting(True, help="build and use the C attention kernel (kernels/csrc/) where a "
+    native_kernels: bool = setting(True, help="build and use the C attention kernel (paged_kernels/csrc/) where a "
                                               "C compiler is present")
     kernel_cache: str = setting("", help="where built C kernels are cached (default: ~/.cache/pagedserve/kernels)")
     prepack_weights: bool = setting(True, help="lay bf16 linear weights out once for oneDNN's GEMM (bit-identical "

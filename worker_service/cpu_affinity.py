@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from kernels import native
+from paged_kernels import native
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu import BF16_CPU_FLAGS, native_bf16
+from paged_kernels.cpu import BF16_CPU_FLAGS, native_bf16
 from servicekit.gguf_cache import hf_folder
 from servicekit.model_registry import ModelSource, resolve_model
 from worker_service.models import model_class_for
@@ -39,7 +39,7 @@ def choose_dtype(name: str, device: torch.device, hf_config: Any | None = None) 
     """The one rule for ``--dtype``: a named dtype is taken as is; ``auto`` picks
 
     * on the CPU, bfloat16 when the CPU computes in bf16 natively (AMX-BF16 or AVX512-BF16, the
-      flags vLLM's CPU backend checks: :func:`kernels.cpu.native_bf16`), else float32 — without
+      flags vLLM's CPU backend checks: :func:`paged_kernels.cpu.native_bf16`), else float32 — without
       those instructions bf16 GEMMs are emulated and slower than fp32;
     * on CUDA, the checkpoint's own 16-bit type, else bfloat16 (``hf_config`` None: not known yet).
     """

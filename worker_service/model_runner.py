@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels import get_attention_ops, native
+from paged_kernels import get_attention_ops, native
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT, WorkerDescription

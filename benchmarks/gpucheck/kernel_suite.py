@@ -1,4 +1,4 @@
-"""Section 1: the KV-cache kernels on the device against ``kernels.reference``.
+"""Section 1: the KV-cache kernels on the device against ``paged_kernels.reference``.
 
 For each dtype (fp32, fp16, bf16) and each attention shape (GQA groups of real models, two block
 sizes): ``reshape_and_cache`` must equal the reference bit for bit, and ``paged_attention`` must
@@ -98,8 +98,8 @@ def make_batch(q_lens, seq_lens, shape: AttentionShape, dtype, device: str, gene
 def check_cache_write(shape: AttentionShape, dtype, suite: Suite, device: str, generator) -> dict:
     import torch
 
-    from kernels.cache import reshape_and_cache
-    from kernels.reference import ref_reshape_and_cache
+    from paged_kernels.cache import reshape_and_cache
+    from paged_kernels.reference import ref_reshape_and_cache
 
     num_blocks = 2 * -(-suite.cache_tokens // shape.block_size)
     cache_shape = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
@@ -120,7 +120,7 @@ def check_cache_write(shape: AttentionShape, dtype, suite: Suite, device: str, g
 def check_attention(batch: dict, expected, tolerance: float, **kwargs) -> dict:
     import torch
 
-    from kernels.paged_attention import paged_attention
+    from paged_kernels.paged_attention import paged_attention
 
     out = paged_attention(**batch, **kwargs)
     error = rel_l2(out, expected)
@@ -131,7 +131,7 @@ def check_attention(batch: dict, expected, tolerance: float, **kwargs) -> dict:
 def run(ctx: Context) -> dict:
     import torch
 
-    from kernels.reference import ref_paged_attention
+    from paged_kernels.reference import ref_paged_attention
 
     suite = DRY if ctx.dry else REAL
     checks: list[dict] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu, cpu_fused
+from paged_kernels import cpu, cpu_fused
 
 REPO = Path(__file__).resolve().parents[2]
 

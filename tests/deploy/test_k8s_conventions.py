@@ -32,7 +32,7 @@ from .manifests import OVERLAYS, container_env, find, named_port, one, pod_spec,
 
 ROLES: dict[str, ModuleType] = {
     "gateway": gateway_service.main, "scheduler": scheduler_service.main, "worker": worker_service.main}
-# Variables read outside the flags: the C kernel's cache (kernels/native.py).
+# Variables read outside the flags: the C kernel's cache (paged_kernels/native.py).
 NON_FLAG_VARIABLES: set[str] = set()  # PAGEDSERVE_KERNEL_CACHE is the worker's --kernel-cache now
 # Flags named in settings.env ahead of the code that reads them (none now: http_port and
 # metrics_port are settings of the gateway and of the scheduler and worker).

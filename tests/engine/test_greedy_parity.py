@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from worker.factories import hf_greedy, random_prompts
 
-from kernels import cpu
+from paged_kernels import cpu
 from pagedserve import LLM, SamplingParams
 
 NUM_TOKENS = 32

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+from paged_kernels.reference import ref_paged_attention, ref_reshape_and_cache
 from worker.factories import make_hf_config, make_hf_model, random_prompts, save_hf_model
 from worker_service.kv_cache import allocate_kv_caches
 from worker_service.loader import choose_dtype, describe_auto_dtype, load_model
@@ -91,7 +91,7 @@ def test_loads_a_saved_folder_and_reports_eos(tmp_path):
     ({"avx2", "avx512f", "avx512_vnni"}, torch.float32, "neither amx_bf16 nor avx512_bf16"),
 ])
 def test_auto_dtype_on_the_cpu_follows_its_bf16_flags(monkeypatch, flags, dtype, reason):
-    from kernels import native
+    from paged_kernels import native
 
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset(flags))
     choice = choose_dtype("auto", torch.device("cpu"))

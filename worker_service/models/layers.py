@@ -5,7 +5,7 @@ in fp32 from the same inverse frequencies), so that greedy decoding matches ``ge
 token in fp32. In a 16-bit model the weights, the GEMMs and the KV cache are 16-bit, while the norm
 statistics and the rotation run in fp32 and the residual stream stays fp32 (see ``llama.py``): each
 16-bit rounding then happens once per sub-layer output, never accumulated across layers. A bf16 model
-on the CPU runs RMSNorm (with its residual add) and the rotation through ``kernels.cpu_fused``: the
+on the CPU runs RMSNorm (with its residual add) and the rotation through ``paged_kernels.cpu_fused``: the
 same arithmetic in one pass each.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kernels import cpu_fused
+from paged_kernels import cpu_fused
 
 
 class UnsupportedModelError(ValueError):

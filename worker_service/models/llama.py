@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused
+from paged_kernels import cpu_fused
 from worker_service.models.layers import (
     ForwardContext,
     RMSNorm,

@@ -8,7 +8,7 @@
  * QKV output) and SiLU(gate) * up of a fused gate/up output. Rows are spread over OpenMP threads
  * when there are enough of them to pay for it. Plain C99 + OpenMP: GCC vectorises the inner loops
  * (-O3 -march=native); SiLU's exp has an AVX-512 loop where the CPU has it (avx512_math.h).
- * Built by kernels/native.py.
+ * Built by paged_kernels/native.py.
  */
 #include <math.h>
 #include <stdint.h>

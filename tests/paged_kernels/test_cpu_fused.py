@@ -1,4 +1,4 @@
-"""The fused bf16 element-wise ops (``kernels.cpu_fused``, C) against the model's torch code, and the
+"""The fused bf16 element-wise ops (``paged_kernels.cpu_fused``, C) against the model's torch code, and the
 model's choice between them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_fused, native
+from paged_kernels import cpu_fused, native
 from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope, rope_inv_freq
 from worker_service.models.llama import MLP
 

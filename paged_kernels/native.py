@@ -1,6 +1,6 @@
-"""Build and load the C kernels of ``kernels/csrc/`` for the CPU, through ``ctypes``.
+"""Build and load the C kernels of ``paged_kernels/csrc/`` for the CPU, through ``ctypes``.
 
-The CPU attention backend (``kernels.cpu``) runs its decode rows in C: plain C99 + OpenMP, no torch
+The CPU attention backend (``paged_kernels.cpu``) runs its decode rows in C: plain C99 + OpenMP, no torch
 headers, compiled once per machine with the system's C compiler (``$CC``, else ``cc``) in about a
 second and cached under ``$PAGEDSERVE_KERNEL_CACHE`` (default ``~/.cache/pagedserve/kernels``). The
 cache key covers the source, the flags, the compiler's version and the CPU's feature flags, because
@@ -8,7 +8,7 @@ cache key covers the source, the flags, the compiler's version and the CPU's fea
 ``PAGEDSERVE_NATIVE_KERNELS=0``) :func:`load` returns ``None`` and callers fall back to the torch
 reference, with one warning in the log.
 
-``make install`` builds the library ahead of time (``python -m kernels.native``), so the first
+``make install`` builds the library ahead of time (``python -m paged_kernels.native``), so the first
 request does not pay for it.
 """
 
@@ -40,7 +40,7 @@ LIBS = ("-lm",)
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 # A worker's settings (--native-kernels, --kernel-cache), when it gave them: they win over the
-# environment, which is what `python -m kernels.native` (make native) and in-process users read.
+# environment, which is what `python -m paged_kernels.native` (make native) and in-process users read.
 _configured: dict[str, object] = {}
 
 
@@ -159,10 +159,10 @@ def function(name: str, symbol: str, argtypes: list, restype: type | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kernels.native``: build every kernel in csrc/ for this machine (used by make)."""
+    """``python -m paged_kernels.native``: build every kernel in csrc/ for this machine (used by make)."""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Build the CPU kernels of kernels/csrc/ for this machine.")
+    parser = argparse.ArgumentParser(description="Build the CPU kernels of paged_kernels/csrc/ for this machine.")
     parser.parse_args(argv)
     for source in sorted(CSRC.glob("*.c")):
         try:

@@ -1,12 +1,12 @@
 """Pure-torch references for the paged KV-cache kernels: the oracle every kernel is tested against.
 
-Each function has the signature of its kernels (``kernels.cache`` / ``kernels.paged_attention`` in
-Triton, ``kernels.cpu`` for the tuned CPU path). They are written to be obviously correct, not
+Each function has the signature of its kernels (``paged_kernels.cache`` / ``paged_kernels.paged_attention`` in
+Triton, ``paged_kernels.cpu`` for the tuned CPU path). They are written to be obviously correct, not
 fast: one Python loop per sequence, K/V copied out through the block table position by position,
 plain causal attention in fp32. Nothing serves traffic through them unless asked to
 (``--attention-backend torch``).
 
-Cache layout (see ``kernels/__init__.py`` for why): ``key_cache, value_cache:
+Cache layout (see ``paged_kernels/__init__.py`` for why): ``key_cache, value_cache:
 [num_blocks, block_size, num_kv_heads, head_dim]``; token at position ``p`` of a sequence lives in
 slot ``block_table[p // block_size] * block_size + p % block_size``.
 """

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_paged_attention_inputs, interpreted, require
+from paged_kernels._checks import check_paged_attention_inputs, interpreted, require
 
 _LOG2_E = 1.4426950408889634
 
@@ -265,7 +265,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention for a mixed decode/prefill batch in one launch (Triton).
 
-    Same contract as :func:`kernels.reference.ref_paged_attention`, including that every sequence
+    Same contract as :func:`paged_kernels.reference.ref_paged_attention`, including that every sequence
     has at least one new token. ``num_splits``: ``None`` lets a heuristic decide (split-K only for
     decode-only batches with too few sequences to fill the GPU), ``1`` forces the single pass,
     ``n > 1`` forces ``n`` context splits plus a merge kernel. ``max_query_len`` is the longest

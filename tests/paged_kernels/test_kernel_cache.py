@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cache import reshape_and_cache
-from kernels.reference import ref_reshape_and_cache
+from paged_kernels.cache import reshape_and_cache
+from paged_kernels.reference import ref_reshape_and_cache
 
 pytestmark = pytest.mark.kernel
 

@@ -1,4 +1,4 @@
-"""The tuned CPU path (``kernels.cpu``: vectorised torch + the C decode kernel) against the plain
+"""The tuned CPU path (``paged_kernels.cpu``: vectorised torch + the C decode kernel) against the plain
 torch reference, and the C kernel's build and fallback."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu, native
-from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+from paged_kernels import cpu, native
+from paged_kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
 pytestmark = pytest.mark.kernel
 
@@ -148,7 +148,7 @@ def test_cpu_flags_parse_the_flags_line(monkeypatch):
 
 
 def test_without_a_compiler_the_cpu_path_decodes_in_torch(paged_batch, monkeypatch, tmp_path, caplog):
-    from kernels import get_attention_ops
+    from paged_kernels import get_attention_ops
 
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
@@ -335,7 +335,7 @@ def test_torch_decode_handles_more_sequences_than_one_gather_holds(paged_batch, 
 
 
 def test_decode_groups_sort_by_length_and_bound_padding():
-    from kernels.cpu import _DECODE_PADDING, _decode_groups
+    from paged_kernels.cpu import _DECODE_PADDING, _decode_groups
 
     lens = [500, 3, 40, 480, 41, 39, 1, 510, 100]
     groups = _decode_groups(lens, bytes_per_position=1)
@@ -380,7 +380,7 @@ def test_loading_the_kernel_leaves_the_process_floating_point_state_alone():
     import subprocess
     import sys
 
-    code = ("from kernels import native; assert native.load('paged_decode_attention') is not None; "
+    code = ("from paged_kernels import native; assert native.load('paged_decode_attention') is not None; "
             "print(5e-324 * 1.0 != 0.0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 

@@ -1,12 +1,12 @@
 /* Write a step's new K/V rows into the paged KV cache on the CPU (reshape_and_cache).
  *
- * The twin of kernels.reference.ref_reshape_and_cache: token t's row for KV head h goes to slot
+ * The twin of paged_kernels.reference.ref_reshape_and_cache: token t's row for KV head h goes to slot
  * slots[t] (block slots[t] / block_size, position slots[t] % block_size); slot -1 means "do not
  * store" (padding). Any strides on both sides (elements; rows of head_dim values contiguous), any
  * element size (a row is copied as bytes), so it serves fp32, bf16 and fp16 caches, block-major or
  * head-major, and K/V that are strided views of a fused QKV output. Replaces two index_copy_ calls
  * and the index arithmetic and copies around them (about ten torch ops a layer). Slots past the cache
- * are skipped and counted: the caller raises. Built by kernels/native.py.
+ * are skipped and counted: the caller raises. Built by paged_kernels/native.py.
  */
 #include <stdint.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 /* Paged decode attention for the CPU: one query token per sequence over its paged K/V cache.
  *
- * The twin of kernels.reference's decode path (same arguments after flattening, same result up to
+ * The twin of paged_kernels.reference's decode path (same arguments after flattening, same result up to
  * float rounding); the CPU attention backend ("cpu") calls it for the decode rows of a step. The
  * torch reference must gather every sequence's K/V blocks into a scratch copy before SDPA reads
  * them again; this loop reads each cached K/V row once, straight from the cache, with an online
@@ -9,7 +9,7 @@
  * Work items are (sequence, KV head) pairs, spread over OpenMP threads; the `group` query heads
  * that share a KV head are handled together, so each K/V row is loaded once for all of them (GQA).
  * The cache may have any strides in its first three dims (block, token in block, KV head); rows of
- * head_dim values must be contiguous. Built by kernels/native.py with -O3 -march=native -fopenmp.
+ * head_dim values must be contiguous. Built by paged_kernels/native.py with -O3 -march=native -fopenmp.
  *
  * Two entry points: `_f32` (fp32 query, cache and output) and `_bf16` (bf16 query, cache and output).
  * The bf16 one widens each loaded value to fp32 (a bf16 is the top half of an fp32, so widening is a
@@ -359,7 +359,7 @@ VARIANT(decode_bf16_any, item_scalar, head_dim, 1)
 #undef VARIANT
 
 /* The exported entry points: `_f32` takes fp32 query, caches and output; `_bf16` bf16 ones (raw bf16
- * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, kernels/cpu.py):
+ * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, paged_kernels/cpu.py):
  * num_heads % num_kv_heads == 0, group <= 16, head_dim <= 256, block_size <= 128, every
  * seq_len >= 1. Strides are in elements. */
 #define ENTRY_POINT(NAME, T, SUFFIX) \

@@ -5,7 +5,7 @@
  * process wakes, and two of them may share one core for a while — where the one spinning at a
  * barrier waits on the one that is not running. Pinned, each stays on its core and another process
  * can only preempt it in place. Team thread i (0: the caller) goes to cpus[i]. Built by
- * kernels/native.py with the other kernels, against the same libgomp as torch's (one per process).
+ * paged_kernels/native.py with the other kernels, against the same libgomp as torch's (one per process).
  */
 #define _GNU_SOURCE
 #include <omp.h>

@@ -77,8 +77,8 @@ def main() -> None:
         print("NO_NVIDIA_BACKEND")
         return
 
-    from kernels.cache import _reshape_and_cache_kernel
-    from kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
+    from paged_kernels.cache import _reshape_and_cache_kernel
+    from paged_kernels.paged_attention import _merge_splits_kernel, _paged_attention_kernel
 
     kernels = {
         "attention": (_paged_attention_kernel, "bf16"),

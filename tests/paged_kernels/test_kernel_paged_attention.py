@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cache import reshape_and_cache
-from kernels.paged_attention import _choose_config, _launch, _LaunchConfig, paged_attention
-from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+from paged_kernels.cache import reshape_and_cache
+from paged_kernels.paged_attention import _choose_config, _launch, _LaunchConfig, paged_attention
+from paged_kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
 pytestmark = pytest.mark.kernel
 
@@ -251,5 +251,5 @@ def test_paged_attention_explains_cpu_tensors_without_interpreter(paged_batch, m
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     batch = paged_batch(**DECODE)
 
-    with pytest.raises(ValueError, match="use kernels.reference on the CPU"):
+    with pytest.raises(ValueError, match="use paged_kernels.reference on the CPU"):
         paged_attention(*batch.args())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.paged_attention as paged_attention_module
+import paged_kernels.paged_attention as paged_attention_module
 
 pytestmark = pytest.mark.kernel
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import get_attention_ops
-from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+from paged_kernels import get_attention_ops
+from paged_kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
 pytestmark = pytest.mark.kernel
 
@@ -106,7 +106,7 @@ def test_importing_kernels_does_not_import_triton():
     import subprocess
     import sys
 
-    code = "import sys, kernels, kernels.reference, kernels.cpu; print('triton' in sys.modules)"
+    code = "import sys, paged_kernels, paged_kernels.reference, paged_kernels.cpu; print('triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

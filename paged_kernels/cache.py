@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (
+from paged_kernels._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     require,
@@ -71,7 +71,7 @@ def reshape_and_cache(
 ) -> None:
     """Write each token's key/value rows into its cache slot, in place (Triton).
 
-    Same contract as :func:`kernels.reference.ref_reshape_and_cache`: ``slot = block * block_size +
+    Same contract as :func:`paged_kernels.reference.ref_reshape_and_cache`: ``slot = block * block_size +
     offset``, negative slots are skipped. Unlike the reference, the caches must already have the
     key's dtype. Slot values are not range-checked (that would need a device sync); an out-of-range
     slot writes out of bounds.

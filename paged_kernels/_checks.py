@@ -75,7 +75,7 @@ def require_same_device(**tensors: torch.Tensor) -> torch.device:
     require(
         device.type == "cuda" or (interpreted() and device.type == "cpu"),
         f"Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
-        f"kernels are imported), got {device}; use kernels.reference on the CPU",
+        f"kernels are imported), got {device}; use paged_kernels.reference on the CPU",
     )
     return device
 

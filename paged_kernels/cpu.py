@@ -1,12 +1,12 @@
 """The tuned CPU path (attention backend ``"cpu"``): the reference's contract, made fast on a CPU.
 
-Same signatures and results as :mod:`kernels.reference` (the kernel tests compare them), but
+Same signatures and results as :mod:`paged_kernels.reference` (the kernel tests compare them), but
 vectorised and careful with memory, because a worker without a GPU serves through these functions:
 
 * cache writes are one C call (``csrc/cache_write.c``: a row copy per token and KV head, any strides),
   or one ``index_copy_`` per cache where K/V need a cast or no compiler is there;
 * decode rows — memory-bound passes over the whole cached context — run in C
-  (``csrc/paged_decode_attention.c``, built by :mod:`kernels.native`), which reads every K/V row
+  (``csrc/paged_decode_attention.c``, built by :mod:`paged_kernels.native`), which reads every K/V row
   once straight from the paged cache for all query heads of a KV head: fp32 caches, and bf16 ones
   (widened to fp32 in registers, fp32 softmax and accumulators) on CPUs with native bf16 (see
   :func:`native_bf16`). Where the C kernel is absent (no compiler) or does not apply (bf16 without
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from paged_kernels import native
 
 _KERNEL = "paged_decode_attention"
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_BLOCK_SIZE = 16, 256, 128
@@ -164,7 +164,7 @@ def cpu_reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64 or int32; -1 = do not store (padding)
 ) -> None:
-    """:func:`kernels.reference.ref_reshape_and_cache`: in C (``csrc/cache_write.c``, one row copy per
+    """:func:`paged_kernels.reference.ref_reshape_and_cache`: in C (``csrc/cache_write.c``, one row copy per
     token and head, any strides) when K/V already have the cache's dtype; else one ``index_copy_`` per
     cache (head-major storage: each (head, slot) row is one row of a flat matrix; block-major: one row
     of all heads per slot; other strides: advanced indexing)."""
@@ -421,7 +421,7 @@ def cpu_paged_attention(
     num_splits: int | None = None,  # signature parity with the Triton op; unused
     max_query_len: int | None = None,  # likewise
 ) -> torch.Tensor:
-    """:func:`kernels.reference.ref_paged_attention`, tuned for the CPU (see the module doc).
+    """:func:`paged_kernels.reference.ref_paged_attention`, tuned for the CPU (see the module doc).
 
     Decode rows batched by padding read ``block_tables`` entries past a row's own blocks: they must
     be valid block ids (0, the null block, is fine), and the cache must hold no NaN/inf.

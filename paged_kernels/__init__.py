@@ -1,12 +1,12 @@
 """Paged KV-cache kernels: Triton kernels, each beside a pure-torch reference of the same signature.
 
-* write the step's K/V into the cache: ``kernels.cache.reshape_and_cache`` (Triton);
-* attention over the cache: ``kernels.paged_attention.paged_attention`` (Triton);
-* ``kernels.reference``: the plain torch oracle of both (``ref_reshape_and_cache``,
+* write the step's K/V into the cache: ``paged_kernels.cache.reshape_and_cache`` (Triton);
+* attention over the cache: ``paged_kernels.paged_attention.paged_attention`` (Triton);
+* ``paged_kernels.reference``: the plain torch oracle of both (``ref_reshape_and_cache``,
   ``ref_paged_attention``), short and obviously correct, that every kernel is tested against;
-* ``kernels.cpu``: the tuned CPU path of both (``cpu_reshape_and_cache``, ``cpu_paged_attention``:
+* ``paged_kernels.cpu``: the tuned CPU path of both (``cpu_reshape_and_cache``, ``cpu_paged_attention``:
   vectorised torch, attention — decode rows, and prefill chunks a row per token — in C where a
-  compiler built ``csrc/``; see ``kernels.native``).
+  compiler built ``csrc/``; see ``paged_kernels.native``).
 
 The Triton kernels run on CUDA (or on the CPU under ``TRITON_INTERPRET=1``, for tests).
 
@@ -90,14 +90,14 @@ def get_attention_ops(backend: str = "auto", device: str | None = None) -> Atten
     """
     backend = resolve_backend(backend, device)
     if backend == "cpu":
-        from kernels.cpu import cpu_paged_attention, cpu_reshape_and_cache
+        from paged_kernels.cpu import cpu_paged_attention, cpu_reshape_and_cache
 
         return AttentionOps(cpu_reshape_and_cache, cpu_paged_attention, "cpu")
     if backend == "torch":
-        from kernels.reference import ref_paged_attention, ref_reshape_and_cache
+        from paged_kernels.reference import ref_paged_attention, ref_reshape_and_cache
 
         return AttentionOps(ref_reshape_and_cache, ref_paged_attention, "torch")
-    from kernels.cache import reshape_and_cache
-    from kernels.paged_attention import paged_attention
+    from paged_kernels.cache import reshape_and_cache
+    from paged_kernels.paged_attention import paged_attention
 
     return AttentionOps(reshape_and_cache, paged_attention, "triton")

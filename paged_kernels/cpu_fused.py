@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from kernels import native
+from paged_kernels import native
 
 _LIBRARY = "cpu_fused_ops"
 _P, _I64, _I32, _F32 = native.PTR, native.I64, native.INT, native.FLOAT
