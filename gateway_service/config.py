@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from servicekit import redis_client
 from servicekit.contract.settings import setting
+from servicekit.grammar import CHECK_TIMEOUT_S, MAX_SPEC_BYTES
 from servicekit.model_registry import ModelConfig
 from servicekit.ports import GATEWAY_HTTP_PORT, GATEWAY_PORT
 from servicekit.redis_client import OutputStreamConfig, RedisConfig
@@ -53,6 +54,12 @@ class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, RedisConfig, Output
                               help="names this gateway's wake and live streams in Redis")
     # The most UTF-8 bytes one token covers, as far as sizing goes: 16 leaves room for long tokens
     # (runs of spaces in code); English averages ~4 bytes per token.
+    max_structured_output_bytes: int = setting(
+        MAX_SPEC_BYTES, minimum=1, help="largest constraint of a structured-output request (a JSON schema, regex, grammar "
+                                        "or choice list, in bytes); larger: INVALID_ARGUMENT")
+    structured_output_check_s: float = setting(
+        CHECK_TIMEOUT_S, above=0, help="longest the gateway spends checking one constraint (a schema that takes longer "
+                                       "to parse is refused: it would stall a worker's steps)")
     prompt_bytes_per_token: int = setting(
         16, minimum=1, help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it is "
                  "tokenized")

@@ -38,6 +38,8 @@ from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, truncate_prompt
+from servicekit.contract.structured_output import StructuredOutput
+from servicekit.grammar import CHECK_TIMEOUT_S, MAX_SPEC_BYTES, check_sampling
 from servicekit.contract.records import RequestRecord
 from servicekit.proto.queue import request_record_to_bytes
 from servicekit.redis_layout import RedisKeys
@@ -108,7 +110,9 @@ class GenerationService:
                  admission: Admission, fanout: OutputFanout, seed_rng: random.Random | None = None,
                  prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
                  tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None,
+                 structured_output_limits: tuple[int, float] = (MAX_SPEC_BYTES, CHECK_TIMEOUT_S)) -> None:
+        self._structured_limits = structured_output_limits
         self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
         self._max_buffered = max_buffered_outputs
         self.model = model
@@ -215,7 +219,19 @@ class GenerationService:
                      vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias,
                      allowed_token_ids=inp.sampling_params.allowed_token_ids)
         check_allowed_token_ids(inp.sampling_params, limits.eos_token_ids)
+        await self._check_structured_output(inp.sampling_params.structured_output)
         return ids
+
+    async def _check_structured_output(self, constraint: StructuredOutput | None) -> None:
+        """A constraint the grammar engine accepts, within its bounds, before anything is queued."""
+        if constraint is None:
+            return
+        max_bytes, timeout_s = self._structured_limits
+        try:
+            await asyncio.wait_for(asyncio.to_thread(check_sampling, constraint, max_bytes=max_bytes), timeout_s)
+        except TimeoutError:
+            raise InvalidArgumentError("structured_output", f"took longer than {timeout_s:g} s to check; simplify it "
+                                                            "(the gateway's --structured-output-check-s)") from None
 
     # -- Generate -------------------------------------------------------------------------------------
 

@@ -72,6 +72,8 @@ class GatewayApp:
         self.service = GenerationService(model=s.model, keys=keys, tokenizer=PromptTokenizer(self._hf_tokenizer),
                                          limits=self._limits, admission=admission, fanout=self._fanout,
                                          prompt_bytes_per_token=s.prompt_bytes_per_token,
+                                         structured_output_limits=(s.max_structured_output_bytes,
+                                                                   s.structured_output_check_s),
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
                                          max_buffered_outputs=s.max_buffered_outputs, metrics=metrics)

@@ -24,6 +24,7 @@ from gateway_service.messages import GenerateInput
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.contract.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from servicekit.contract.structured_output import StructuredOutput, schema_text, structured_output_of
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
 MAX_N = 16  # choices per request: each is one admitted request
@@ -39,17 +40,19 @@ _INERT = {
 # Keys accepted only with the value that means "off", with that value.
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
     "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (False,), "response_format": ({"type": "text"},),
-    "best_of": (1,), "guided_json": (), "structured_outputs": (),
+    "function_call": ("none",), "parallel_tool_calls": (False,),
+    "best_of": (1,),
     "store": (False,), "service_tier": ("auto", "default"),
 }
 
+# vLLM's older structured-output keys → the key of its ``structured_outputs`` each stands for
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
 _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", *_INERT, "logit_bias",
                 "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
                 "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids", "prompt_logprobs",
-                *_SAMPLING_KEYS, *_OFF_ONLY}
+                "response_format", "structured_outputs", *_GUIDED, *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                       "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
@@ -89,9 +92,12 @@ class OpenAIRequest:
     fill_max_tokens: bool = False  # chat without max_tokens: the room the prompt leaves (see chat_max_tokens)
     max_tokens_field: str = "max_tokens"  # what the caller called it (chat: max_completion_tokens)
 
+    structured_output_field: str = "structured_output"  # the key the output constraint came in
+
     def as_sent(self, exc: PagedServeError) -> PagedServeError:
-        """``exc`` naming the output length as the caller did (the gateway's checks say max_tokens)."""
-        return _renamed(exc, {"max_tokens": self.max_tokens_field})
+        """``exc`` naming the output length and the output constraint as the caller did (the gateway's
+        checks say max_tokens and structured_output)."""
+        return _renamed(exc, {"max_tokens": self.max_tokens_field, "structured_output": self.structured_output_field})
 
     @property
     def include_stop_str(self) -> bool:
@@ -209,9 +215,56 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs
     allowed = _int_list(body, "allowed_token_ids")
     if body.get("allowed_token_ids") is not None and not allowed:  # vLLM refuses an empty list too
         raise InvalidArgumentError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
-    return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(body),
-                          allowed_token_ids=allowed, **kwargs)
+    constraint, field = structured_output(body)
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(body),
+                              allowed_token_ids=allowed, structured_output=constraint, **kwargs)
+    except InvalidArgumentError as e:
+        raise _renamed(e, {"structured_output": field}) from None
+
+
+def structured_output(body: dict) -> tuple[StructuredOutput | None, str]:
+    """The body's output constraint and the key it came in: OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` or one of its ``guided_*`` keys (at most one of them)."""
+    given = [k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k) is not None]
+    if len(given) > 1:
+        raise InvalidArgumentError(given[1], f"give one output constraint, not both {given[0]} and {given[1]}")
+    if not given:
+        return None, "structured_output"
+    key = given[0]
+    if key == "response_format":
+        return _response_format(_get(body, key, dict))
+    if key == "structured_outputs":
+        return structured_output_of(_get(body, key, dict), key), key
+    inner = _GUIDED[key]
+    try:
+        return structured_output_of({inner: body[key]}, key), key
+    except InvalidArgumentError as e:  # named as sent: guided_choice, not guided_choice.choice
+        raise InvalidArgumentError(key, e.message) if e.field == f"{key}.{inner}" else e from None
+
+
+def _response_format(value: dict) -> tuple[StructuredOutput | None, str]:
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (with its ``schema``)."""
+    kind = value.get("type")
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        return StructuredOutput("json_object"), "response_format"
+    if kind != "json_schema":
+        raise InvalidArgumentError("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidArgumentError("response_format.json_schema", "required: an object with name and schema")
+    if not isinstance(spec.get("name", ""), str):
+        raise InvalidArgumentError("response_format.json_schema.name", "must be a string")
+    if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+        raise InvalidArgumentError("response_format.json_schema.strict", "must be a boolean")
+    field = "response_format.json_schema.schema"
+    schema = spec.get("schema")
+    if schema is None:
+        raise InvalidArgumentError(field, "required: the JSON Schema the output must follow")
+    return StructuredOutput("json_schema", schema_text(schema, field)), field
 
 
 def _seed(body: dict) -> int | None:
@@ -248,7 +301,17 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
     return OpenAIRequest(tuple(inputs), model=_get(body, "model", str, ""), n=n, stream=stream,
                          include_usage=include_usage, continuous_usage=include_usage and continuous,
                          echo=echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False))
+                         tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False),
+                         structured_output_field=_constraint_field(body))
+
+
+def _constraint_field(body: dict) -> str:
+    for key in ("response_format", "structured_outputs", *_GUIDED):
+        value = body.get(key)
+        if value is not None:
+            json_schema = isinstance(value, dict) and value.get("type") == "json_schema"
+            return "response_format.json_schema.schema" if key == "response_format" and json_schema else key
+    return "structured_output"
 
 
 def _stream_option(options: dict, key: str) -> bool:

@@ -19,6 +19,7 @@ _LAZY = {
     "RequestMetrics": "pagedserve.llm",
     "RequestOutput": "pagedserve.llm",
     "SamplingParams": "servicekit.contract.sampling_params",
+    "StructuredOutput": "servicekit.contract.structured_output",
 }
 
 __all__ = sorted(_LAZY)
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from pagedserve.client import Client
     from pagedserve.llm import LLM, RequestMetrics, RequestOutput
     from servicekit.contract.sampling_params import SamplingParams
+    from servicekit.contract.structured_output import StructuredOutput
 
 
 def __getattr__(name: str) -> Any:

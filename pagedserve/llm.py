@@ -23,6 +23,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, check_text, token_id_list
+from servicekit.grammar import check_sampling
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.step import FinishReason, TokenLogprobs
@@ -235,6 +236,7 @@ class LLM:
             check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                          logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids)
             check_allowed_token_ids(params, info.eos_token_ids)
+            check_sampling(params.structured_output)
         pending: dict[str, _Pending] = {}
         order: list[str] = []
         try:

@@ -7,10 +7,16 @@ from pagedserve.client_types import Chunk
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import check_text, token_id_list
 from servicekit.contract.sampling_params import SamplingParams
+from servicekit.contract.structured_output import structured_output_of
 from servicekit.proto.generation import chat_to_pb, usage_from_pb
 from servicekit.proto.pb import generation_pb2, sampling_pb2
 from servicekit.proto.sampling import FIELDS as SAMPLING_FIELDS
-from servicekit.proto.sampling import FINISH_REASON_FROM_PB, logprobs_from_pb, sampling_params_to_pb
+from servicekit.proto.sampling import (
+    FINISH_REASON_FROM_PB,
+    logprobs_from_pb,
+    sampling_params_to_pb,
+    structured_output_to_pb,
+)
 
 
 def build_generate_request(prompt=None, *, messages=None, sampling_params: SamplingParams | None = None,
@@ -52,7 +58,10 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     for name, value in sampling.items():
         if value is None:
             continue
-        if name == "logit_bias":  # {token_id: bias} or (id, bias) pairs
+        if name == "structured_output":  # a StructuredOutput or {"json": schema} / {"regex": ...} / ...
+            sp.ClearField("structured_output")
+            structured_output_to_pb(structured_output_of(value), sp.structured_output)
+        elif name == "logit_bias":  # {token_id: bias} or (id, bias) pairs
             sp.logit_bias.clear()
             try:
                 sp.logit_bias.update(dict(value))

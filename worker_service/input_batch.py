@@ -23,6 +23,7 @@ import numpy as np
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import CachedRequestData, NewRequestData
 from worker_service.sampler import staged_repetition_penalty, staged_temperature
+from worker_service.structured_output import StructuredRows
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
@@ -38,7 +39,7 @@ def min_tokens_banned_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, *,
-                 vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+                 vocab_size: int, eos_token_ids: tuple[int, ...], structured: StructuredRows | None = None) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -74,6 +75,8 @@ class InputBatch:
         # by row: the only ids it may sample (int64, inside the vocabulary), or None (every id)
         self.allowed: list[np.ndarray | None] = [None] * max_num_reqs
         self.num_restricted = 0  # rows with allowed ids: a step looks for them only when some exist
+        # the grammar matchers of structured-output rows (None: this batch refuses such requests)
+        self.structured = structured
         self._free_rows = list(range(max_num_reqs))  # a heap: lowest free row first
 
     def __len__(self) -> int:
@@ -96,6 +99,8 @@ class InputBatch:
             raise ValueError(f"request {new.request_id}: {len(new.block_ids)} blocks exceed {self.max_blocks_per_req}")
         if new.sampling_params.seed is None:
             raise ValueError(f"request {new.request_id}: sampling_params.seed must be set at admission")
+        if new.sampling_params.structured_output is not None and self.structured is None:
+            raise ValueError(f"request {new.request_id}: this worker has no grammar engine for structured output")
         row = heapq.heappop(self._free_rows)
         self.rows[new.request_id] = row
         self.sampling_params[row] = new.sampling_params
@@ -130,6 +135,8 @@ class InputBatch:
         if p.allowed_token_ids:
             self.allowed[row] = np.array([t for t in p.allowed_token_ids if t < self.vocab_size], dtype=np.int64)
             self.num_restricted += 1
+        if p.structured_output is not None:
+            self.structured.add(row, p.structured_output, new.output_token_ids)
         return row
 
     def update(self, cached: CachedRequestData) -> None:
@@ -154,9 +161,13 @@ class InputBatch:
             if self.allowed[row] is not None:
                 self.allowed[row] = None
                 self.num_restricted -= 1
+            if self.structured is not None:
+                self.structured.remove(row)
             heapq.heappush(self._free_rows, row)
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one sampled token to each of ``rows`` (vectorised)."""
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+        if self.structured is not None and len(self.structured):
+            self.structured.accept(rows, token_ids)

@@ -23,6 +23,9 @@ from paged_kernels import get_attention_ops, native
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from servicekit.contract.worker import CPU_PREFILL_CHUNK_ATTENTION_LIMIT, WorkerDescription
+from servicekit.gguf_cache import hf_folder
+from servicekit.grammar import GrammarCompiler
+from servicekit.model_registry import resolve_model
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch
@@ -31,6 +34,7 @@ from worker_service.loader import LoadedModel, load_model
 from worker_service.models import cpu_gemm
 from worker_service.models.layers import AttentionMetadata, ForwardContext
 from worker_service.sampler import Sampler, SamplerOutput, SamplingMetadata
+from worker_service.structured_output import StructuredRows
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +108,23 @@ class ModelRunner:
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = loaded.eos_token_ids
+        self.structured = StructuredRows(self.vocab_size, tuple(self.eos_token_ids), self._grammar_compiler)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req,
-                                vocab_size=self.vocab_size, eos_token_ids=tuple(self.eos_token_ids))
+                                vocab_size=self.vocab_size, eos_token_ids=tuple(self.eos_token_ids),
+                                structured=self.structured)
         self.sampler = Sampler()
         ops = get_attention_ops(config.attention_backend, self.device.type)
         self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
         self.attention_backend = ops.backend
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The model's tokenizer as the grammar engine sees it (built once, on the first constrained
+        request, off the step's thread)."""
+        from transformers import AutoTokenizer
+
+        source = hf_folder(resolve_model(self.config.model), weights=False)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())
+        return GrammarCompiler(tokenizer, self.vocab_size, tuple(self.eos_token_ids))
 
     @property
     def info(self) -> WorkerDescription:
@@ -283,6 +298,10 @@ class ModelRunner:
             restricted = [(i, b.allowed[row]) for i, row in enumerate(rows.tolist()) if b.allowed[row] is not None]
             if restricted:
                 meta.allowed_tokens = tuple(_to(a, dev) for a in _per_row(restricted))
+        if len(self.structured):
+            grammar = self.structured.bitmask(rows)
+            if grammar is not None:
+                meta.grammar_mask = (_to(grammar[0], dev), grammar[1].to(dev))
         num_logprobs = b.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             meta.max_num_logprobs = int(num_logprobs.max())

@@ -18,7 +18,8 @@ rounds to 0, is a NaN).
 
 Order of processing (Hugging Face's): the request's logit bias (OpenAI's), then penalties on the
 raw logits, then the min_tokens ban and the allowed ids (vLLM's ``allowed_token_ids``: every other
-id to -inf), then temperature, then top-k, top-p (on the top-k renormalised distribution), then
+id to -inf), then the grammar of a structured-output row (its bitmask), then temperature, then
+top-k, top-p (on the top-k renormalised distribution), then
 min-p. Greedy rows (``temperature == 0``) take an exact ``argmax`` of the biased, penalised
 logits. Logprobs are those of the raw model distribution (``log_softmax`` of the logits before any
 processing), as vLLM reports them.
@@ -97,6 +98,9 @@ class SamplingMetadata:
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): -inf (min_tokens)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, fp32 biases)
     allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): all those rows may sample
+    # (rows [k] int64, next-token bitmask [k, ceil(V / 32)] int32) of the rows structured output
+    # constrains: bit t % 32 of word t // 32 set = token t allowed (worker_service.structured_output)
+    grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # top-n logprobs to return for every row; None = none
 
     @property
@@ -130,6 +134,8 @@ class Sampler:
             logits = logits.index_put(meta.banned_tokens, logits.new_tensor(float("-inf")))
         if meta.allowed_tokens is not None:
             logits = mask_to_allowed(logits, meta.allowed_tokens)
+        if meta.grammar_mask is not None:
+            logits = mask_to_grammar(logits, meta.grammar_mask)
         token_ids = logits.argmax(dim=-1)  # [N]; exact greedy (first index on ties, as torch/HF)
         if not meta.all_greedy:
             token_ids = _sample_random_rows(logits, meta, token_ids)
@@ -148,6 +154,15 @@ def mask_to_allowed(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Ten
     restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     restricted[rows] = True
     return logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
+
+
+def mask_to_grammar(logits: torch.Tensor, grammar: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``logits`` with every token a constrained row's bitmask leaves out at -inf (a new tensor)."""
+    rows, words = grammar
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, : logits.shape[-1]]
+    masked = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def _sample_random_rows(logits: torch.Tensor, meta: SamplingMetadata, token_ids: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, fields, replace
 
 from servicekit.contract.errors import InvalidArgumentError
+from servicekit.contract.structured_output import StructuredOutput, structured_output_of
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -53,6 +54,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # sample only these ids (vLLM's allowed_token_ids), ascending and unique; () = every id
     allowed_token_ids: tuple[int, ...] = ()
+    # what the output must spell: a StructuredOutput, or vLLM's form {"json": schema} / {"regex": ...} /
+    # {"choice": [...]} / {"grammar": ...} / {"json_object": True}; None = free text
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs to tuples so the object stays hashable and immutable.
@@ -61,6 +65,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         allowed = _token_id_set("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
         object.__setattr__(self, "allowed_token_ids", allowed)
+        object.__setattr__(self, "structured_output", structured_output_of(self.structured_output))
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
@@ -90,6 +95,20 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, minimum=0, maximum=MAX_LOGPROBS)
+        if self.structured_output is not None:
+            self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        """A constrained request ends when its grammar does: settings that keep it going past the
+        end, or that take away the tokens the grammar allows, conflict with it."""
+        if not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidArgumentError("structured_output", "must be a StructuredOutput")
+        conflicts = {"ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+                     "allowed_token_ids": self.allowed_token_ids}
+        for name, value in conflicts.items():
+            if value:
+                raise InvalidArgumentError(name, "cannot be combined with structured output (the grammar decides "
+                                                 "which tokens may come and when the output ends)")
 
     @property
     def greedy(self) -> bool:

@@ -6,8 +6,10 @@ the SDK's wire layer touches ``*_pb2``.
 
 from __future__ import annotations
 
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason, TokenLogprobs
+from servicekit.contract.structured_output import StructuredOutput
 from servicekit.proto.pb import sampling_pb2
 
 # The SamplingParams fields the wire carries as optional scalars (unset: the dataclass default),
@@ -16,7 +18,7 @@ SCALAR_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
 )
-FIELDS = (*SCALAR_FIELDS, "stop", "stop_token_ids", "logit_bias", "allowed_token_ids")
+FIELDS = (*SCALAR_FIELDS, "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "structured_output")
 
 FINISH_REASON_TO_PB = {
     None: sampling_pb2.FINISH_REASON_UNSPECIFIED,
@@ -32,10 +34,34 @@ def sampling_params_from_pb(msg: sampling_pb2.SamplingParams, *, trusted: bool =
     is validated: InvalidArgumentError names a bad field; a record an inner service decodes was
     validated where it entered and is taken as it is (``trusted=True``)."""
     kwargs = {name: getattr(msg, name) for name in SCALAR_FIELDS if msg.HasField(name)}
+    if msg.HasField("structured_output"):
+        kwargs["structured_output"] = structured_output_from_pb(msg.structured_output)
     make = SamplingParams.trusted if trusted else SamplingParams
     return make(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                 logit_bias=tuple(sorted(msg.logit_bias.items())), allowed_token_ids=tuple(msg.allowed_token_ids),
                 **kwargs)
+
+
+def structured_output_from_pb(msg: sampling_pb2.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidArgumentError("structured_output", "set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidArgumentError("structured_output", "json_object must be true when set")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", tuple(msg.choice.values))
+    return StructuredOutput(kind, getattr(msg, kind))
+
+
+def structured_output_to_pb(constraint: StructuredOutput, msg: sampling_pb2.StructuredOutput) -> None:
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    elif constraint.kind == "choice":
+        msg.choice.values.extend(constraint.spec)
+    else:
+        setattr(msg, constraint.kind, constraint.spec)
 
 
 def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingParams | None = None
@@ -49,6 +75,8 @@ def sampling_params_to_pb(params: SamplingParams, out: sampling_pb2.SamplingPara
     msg.stop_token_ids.extend(params.stop_token_ids)
     msg.logit_bias.update(params.logit_bias)
     msg.allowed_token_ids.extend(params.allowed_token_ids)
+    if params.structured_output is not None:
+        structured_output_to_pb(params.structured_output, msg.structured_output)
     return msg
 
 

@@ -43,8 +43,8 @@ async def streams_with_a_fault(gateways: list[str], prompts: list[str], max_toke
     logs = [StreamLog() for _ in prompts]
     async with AsyncClient(gateways, timeout=finish_within_s + 120, **(client_options or {})) as client:
         async def one(i: int) -> None:
-            kwargs = {"temperature": 0, **sampling, **(per_stream[i] if per_stream else {})}
-            async with client.stream(prompts[i], max_tokens=max_tokens, ignore_eos=True, **kwargs) as stream:
+            kwargs = {"temperature": 0, "ignore_eos": True, **sampling, **(per_stream[i] if per_stream else {})}
+            async with client.stream(prompts[i], max_tokens=max_tokens, **kwargs) as stream:
                 async for chunk in stream:
                     logs[i].add(chunk)
 

@@ -155,10 +155,30 @@ def test_chat_refuses_what_it_would_otherwise_ignore():
     for body, field in [({"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}, "messages[0].tool_calls"),
                         ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, "tools"),
                         ({"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json"}},
-                         "response_format")]:
+                         "response_format.type")]:
         with pytest.raises(InvalidArgumentError) as caught:
             parse_chat(body)
         assert caught.value.field == field
+
+
+def test_output_constraints_from_each_key_keep_the_schema_order():
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}},
+         ("json_schema", json.dumps(schema, separators=(",", ":")))),
+        ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+        ({"response_format": {"type": "text"}}, None),
+        ({"guided_json": json.dumps(schema)}, ("json_schema", json.dumps(schema, separators=(",", ":")))),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, ("choice", ("a", "b"))),
+        ({"guided_regex": "[0-9]+"}, ("regex", "[0-9]+")),
+        ({"structured_outputs": {"grammar": 'root ::= "x"'}}, ("grammar", 'root ::= "x"')),
+    ]
+    for extra, want in cases:
+        (inp,) = parse_chat({**chat, **extra}).inputs
+        got = inp.sampling_params.structured_output
+        assert (got and (got.kind, got.spec)) == want, extra
+    assert list(json.loads(cases[0][1][1])["properties"]) == ["z", "a"]  # generated in the order given
 
 
 def test_null_means_not_given_for_any_key_and_openai_bookkeeping_is_accepted():
