@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from servicekit import redis_client
+from gateway_service.tool_calls import DEFAULT_PARSER, PARSERS
 from servicekit.contract.settings import setting
 from servicekit.grammar import CHECK_TIMEOUT_S, MAX_SPEC_BYTES
 from servicekit.model_registry import ModelConfig
@@ -60,6 +61,10 @@ class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, RedisConfig, Output
     structured_output_check_s: float = setting(
         CHECK_TIMEOUT_S, above=0, help="longest the gateway spends checking one constraint (a schema that takes longer "
                                        "to parse is refused: it would stall a worker's steps)")
+    tool_call_parser: str = setting(
+        DEFAULT_PARSER, choices=PARSERS, help="how a chat answer with tool_choice auto is read for tool calls: hermes = "
+                                              "<tool_call>{json}</tool_call> blocks, the rest content; json = an answer "
+                                              "that is a call object (or an array of them)")
     prompt_bytes_per_token: int = setting(
         16, minimum=1, help="text over max_model_len times this many UTF-8 bytes is refused (INVALID_ARGUMENT) before it is "
                  "tokenized")

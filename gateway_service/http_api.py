@@ -45,6 +45,7 @@ from gateway_service.openai_params import (
     parse_tokenize,
 )
 from gateway_service.openai_responses import ChoiceState, Responder, TokenText, error_body, error_json
+from gateway_service.tool_calls import DEFAULT_PARSER
 from servicekit.auth import KeyStore
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.errors import CancelledError as ClientGone
@@ -184,8 +185,8 @@ async def sse_events(item, queue: asyncio.Queue, num_live: int, choices: list[Ch
                     break
             else:
                 event = _delta(choices[index], payload, responder)
-                if event is not None:
-                    yield _sse(event)
+                for one in [] if event is None else event if isinstance(event, list) else [event]:
+                    yield _sse(one)
             item = await queue.get()
         yield _sse("[DONE]")
     finally:
@@ -201,7 +202,7 @@ def _prompt_only(chunk: GenerateChunk) -> GenerateChunk:
                    usage=replace(usage, completion_tokens=0) if usage is not None else None)
 
 
-def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | None:
+def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | list[dict] | None:
     offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
     text, logprobs, _ids = choice.add(chunk)
     with_prompt = bool(chunk.prompt_token_ids)
@@ -217,8 +218,9 @@ class OpenAIHttpApi:
     cannot make the gateway tokenize and admit without bound (``--max-requests-per-call``)."""
 
     def __init__(self, service: GenerationService, registry: CollectorRegistry, *, keys: KeyStore | None = None,
-                 guard_metrics: bool = False, max_choices: int = 0) -> None:
+                 guard_metrics: bool = False, max_choices: int = 0, tool_parser: str = DEFAULT_PARSER) -> None:
         self._service = service
+        self._tool_parser = tool_parser
         self._max_choices = max_choices
         self._registry = registry
         self._keys = keys if keys is not None else KeyStore()
@@ -281,7 +283,8 @@ class OpenAIHttpApi:
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)
-        responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text)
+        responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text,
+                              tool_parser=self._tool_parser)
         choices = [ChoiceState(i, prefix=prefixes[i]) for i in range(len(inputs))]
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner, req))

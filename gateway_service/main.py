@@ -86,7 +86,8 @@ class GatewayApp:
             from gateway_service.http_api import OpenAIHttpApi
             from servicekit.http_server import HttpServer
 
-            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_requests_per_call)
+            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_requests_per_call,
+                                tool_parser=s.tool_call_parser)
             self._http = HttpServer(api.app, name="gateway", tls=s.tls)
             self.http_port = self._http.bind(s.http_host or s.host, s.http_port)
         self._limits.start()

@@ -24,6 +24,14 @@ from gateway_service.messages import GenerateInput
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.contract.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from gateway_service.tool_calls import (
+    ToolChoice,
+    assistant_text,
+    constraint,
+    parse_tools,
+    system_turn,
+    tool_result_text,
+)
 from servicekit.contract.structured_output import StructuredOutput, schema_text, structured_output_of
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
@@ -39,8 +47,7 @@ _INERT = {
 }
 # Keys accepted only with the value that means "off", with that value.
 _OFF_ONLY: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (False,),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",),
     "best_of": (1,),
     "store": (False,), "service_tier": ("auto", "default"),
 }
@@ -55,7 +62,8 @@ _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_id
                 "response_format", "structured_outputs", *_GUIDED, *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                      "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
+                                      "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                                      "tools", "tool_choice", "parallel_tool_calls"})
 # chat_template_kwargs are variables of the template, never these: apply_chat_template's and its
 # renderer's own arguments, the special tokens it passes (a caller would replace the model's BOS), the
 # template helpers, and the tool lists (tools are refused)
@@ -93,6 +101,7 @@ class OpenAIRequest:
     max_tokens_field: str = "max_tokens"  # what the caller called it (chat: max_completion_tokens)
 
     structured_output_field: str = "structured_output"  # the key the output constraint came in
+    tools: ToolChoice | None = None  # chat: the tools the model may call (None: plain chat)
 
     def as_sent(self, exc: PagedServeError) -> PagedServeError:
         """``exc`` naming the output length and the output constraint as the caller did (the gateway's
@@ -399,15 +408,39 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidArgumentError(f"messages[{i}]", "must be an object")
+        role = message.get("role")
+        allowed = ("role", "content", "name", *_TOOL_KEYS.get(role, ()))
         for key, value in message.items():
-            if key not in ("role", "content", "name") and value is not None:  # "tool_calls": null, "refusal": null
+            if key not in allowed and value is not None:  # "tool_calls": null, "refusal": null
                 raise InvalidArgumentError(f"messages[{i}].{key}", "is not supported")
-        content = _content(i, message.get("role"), message.get("content"))
+        content = _content(i, role, message.get("content"))
+        if role == "tool":  # a tool's result, as the model reads one (gateway_service.tool_calls)
+            if not isinstance(content, str):
+                raise InvalidArgumentError(f"messages[{i}].content", "required: a string")
+            role, content = "user", tool_result_text(content)
+        elif role == "assistant" and message.get("tool_calls"):
+            if not isinstance(content, str):
+                raise InvalidArgumentError(f"messages[{i}].content", "must be a string or null")
+            content = assistant_text(i, content, message["tool_calls"])
         # OpenAI's "developer" turn is its newer name for the system turn; chat templates know "system".
-        role = "system" if message.get("role") == "developer" else message.get("role")
+        role = "system" if role == "developer" else role
         check_chat_message(i, role, content)
         out.append({"role": role, "content": content})
     return out
+
+
+# the keys a turn of these roles may have besides role, content and name
+_TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
+
+
+def _with_tools(messages: list[dict[str, str]], tools: ToolChoice) -> list[dict[str, str]]:
+    """The conversation with the tools described first (in its own system turn, joined to one the
+    conversation starts with: templates take one system turn, first)."""
+    described = system_turn(tools)
+    if messages[0]["role"] == "system":
+        joined = messages[0]["content"] + "\n\n" + described["content"] if messages[0]["content"] else described["content"]
+        return [{"role": "system", "content": joined}, *messages[1:]]
+    return [described, *messages]
 
 
 def parse_chat(body: Any) -> OpenAIRequest:
@@ -416,6 +449,14 @@ def parse_chat(body: Any) -> OpenAIRequest:
     sets it with :func:`chat_max_tokens` once the prompt is tokenized)."""
     body = check_keys(body, CHAT_KEYS)
     messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body)
+    if tools is not None:
+        messages = _with_tools(messages, tools)
+        if tools.constrained:  # the calls' JSON, by construction
+            if structured_output(body)[0] is not None:
+                raise InvalidArgumentError("tool_choice", "a required or named tool choice constrains the output: "
+                                                          "it cannot be combined with response_format")
+            body = {**body, "structured_outputs": {"json": json.loads(constraint(tools).spec)}}
     logprobs = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int)
     if top and not logprobs:  # vLLM, too, refuses only a positive count
@@ -437,7 +478,8 @@ def parse_chat(body: Any) -> OpenAIRequest:
                         chat_template_kwargs=_template_kwargs(body))
     return replace(_request(body, [inp], logprobs=logprobs, prompt_logprobs=prompt_logprobs),
                    fill_max_tokens=max_tokens is None,
-                   max_tokens_field=names["max_tokens"])
+                   max_tokens_field=names["max_tokens"], tools=tools,
+                   **({"structured_output_field": "tools"} if tools is not None and tools.constrained else {}))
 
 
 def _template_options(body: dict) -> dict[str, bool]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway_service.messages import GenerateChunk
 from gateway_service.openai_params import OpenAIRequest
+from gateway_service.tool_calls import DEFAULT_PARSER, ParsedAnswer, ToolCall, call_id, held_back, parse_answer
 from servicekit.contract.api import Usage
 from servicekit.contract.errors import PagedServeError
 from servicekit.contract.step import TokenLogprobs
@@ -113,6 +114,7 @@ class ChoiceState:
     # vLLM's prompt_logprobs): one per prompt token after the first, and the prompt's ids
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    sent: int = 0  # a chat with tools: characters of the text streamed as content so far
 
     def add(self, chunk: GenerateChunk) -> tuple[str, list[TokenLogprobs], list[int]]:
         """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
@@ -199,8 +201,10 @@ def chat_logprobs(logprobs: list[TokenLogprobs], token_text: Callable[[int], str
 class Responder:
     """Shapes one call's answers: ``chat`` picks the object kinds; ``call_id`` names the call."""
 
-    def __init__(self, req: OpenAIRequest, *, chat: bool, call_id: str, model: str, token_text: TokenText) -> None:
+    def __init__(self, req: OpenAIRequest, *, chat: bool, call_id: str, model: str, token_text: TokenText,
+                 tool_parser: str = DEFAULT_PARSER) -> None:
         self.req = req
+        self.tool_parser = tool_parser
         self.chat = chat
         self.call_id = call_id
         self.model = model
@@ -242,6 +246,8 @@ class Responder:
                                     "logprobs": self._logprobs(c, c.logprobs, len(c.prefix), with_prompt=True)}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
+                if self.req.tools is not None:
+                    body["message"], body["finish_reason"] = self._tool_message(c, text)
             else:
                 body["text"] = text
                 if self.req.prompt_logprobs is not None:
@@ -254,26 +260,88 @@ class Responder:
             answer["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         return answer
 
-    def delta(self, choice: ChoiceState, text: str, logprobs: list[TokenLogprobs], offset: int, *,
-              with_prompt: bool = False) -> dict:
-        """One streamed chunk of ``choice``: new text (+ logprobs), and its finish reason on the last;
-        ``with_prompt``: the chunk that brought the prompt logprobs (they go out in it)."""
+    def _answer(self, choice: ChoiceState, text: str) -> ParsedAnswer:
+        """A finished chat answer read for tool calls (a cut-off one is content)."""
+        if choice.finish_reason != "stop":
+            return ParsedAnswer(text or None)
+        return parse_answer(text, self.req.tools, self.tool_parser)
+
+    def _calls(self, choice: ChoiceState, answer: ParsedAnswer) -> list[ToolCall]:
+        return [ToolCall(call_id(self.call_id, choice.index, k), name, arguments)
+                for k, (name, arguments) in enumerate(answer.calls)]
+
+    def _tool_message(self, choice: ChoiceState, text: str) -> tuple[dict, str | None]:
+        answer = self._answer(choice, text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+        if not answer.calls:
+            return message, choice.finish_reason
+        message["tool_calls"] = [call.json() for call in self._calls(choice, answer)]
+        return message, "tool_calls"
+
+    def _tool_deltas(self, choice: ChoiceState, logprobs: list[TokenLogprobs], offset: int, with_prompt: bool
+                     ) -> list[dict]:
+        """A streamed chat with tools: text is content up to where a call may begin (held back
+        until the answer ends); the last chunk brings the calls, each as OpenAI streams one (id,
+        name and empty arguments, then the arguments), and ``finish_reason: "tool_calls"``."""
+        text = "".join(choice.text)
+        tools = self.req.tools
+        if choice.finish_reason is None:
+            cut = held_back(text, tools, self.tool_parser)
+            fresh, choice.sent = text[choice.sent:cut], max(choice.sent, cut)
+            return [self._delta_chunk(choice, {"content": fresh} if fresh or not choice.started else {}, logprobs,
+                                      offset, with_prompt, finish=None)]
+        answer = self._answer(choice, text)
+        if not answer.calls:
+            fresh = text[choice.sent:]
+            return [self._delta_chunk(choice, {"content": fresh} if fresh or not choice.started else {}, logprobs,
+                                      offset, with_prompt, finish=choice.finish_reason)]
+        chunks = []
+        for k, call in enumerate(self._calls(choice, answer)):
+            head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            chunks.append(self._delta_chunk(choice, {"tool_calls": [head]}, logprobs if k == 0 else [], offset,
+                                            with_prompt and k == 0, finish=None))
+            chunks.append(self._delta_chunk(choice, {"tool_calls": [{"index": k, "function": {
+                "arguments": call.arguments}}]}, [], offset, False, finish=None))
+        chunks.append(self._delta_chunk(choice, {}, [], offset, False, finish="tool_calls"))
+        return chunks
+
+    def _delta_chunk(self, choice: ChoiceState, delta: dict, logprobs: list[TokenLogprobs], offset: int,
+                     with_prompt: bool, *, finish: str | None) -> dict:
         body: dict[str, Any] = {"index": choice.index,
                                 "logprobs": self._logprobs(choice, logprobs, offset, with_prompt=with_prompt),
-                                "finish_reason": choice.finish_reason}
+                                "finish_reason": finish}
+        if finish is not None:
+            body["stop_reason"] = choice.stop_reason
+        if not choice.started:
+            delta = {"role": "assistant", **delta}
+        body["delta"] = delta
+        choice.started = True
+        chunk = dict(self._head("chat.completion.chunk"), choices=[body])
+        if with_prompt and self.req.prompt_logprobs is not None:
+            chunk["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return self._with_usage(choice, chunk)
+
+    def delta(self, choice: ChoiceState, text: str, logprobs: list[TokenLogprobs], offset: int, *,
+              with_prompt: bool = False) -> dict | list[dict]:
+        """One streamed chunk of ``choice``: new text (+ logprobs), and its finish reason on the last;
+        ``with_prompt``: the chunk that brought the prompt logprobs (they go out in it). A chat with
+        tools may answer with several chunks (its calls) or one without text."""
+        if self.chat and self.req.tools is not None:
+            return self._tool_deltas(choice, logprobs, offset, with_prompt)
+        if self.chat:
+            return self._delta_chunk(choice, {} if choice.started and not text else {"content": text}, logprobs,
+                                     offset, with_prompt, finish=choice.finish_reason)
+        body: dict[str, Any] = {"index": choice.index,
+                                "logprobs": self._logprobs(choice, logprobs, offset, with_prompt=with_prompt),
+                                "finish_reason": choice.finish_reason, "text": text}
         if choice.finish_reason is not None:
             body["stop_reason"] = choice.stop_reason
-        if self.chat:
-            delta: dict[str, Any] = {} if choice.started and not text else {"content": text}
-            if not choice.started:
-                delta = {"role": "assistant", **delta}
-            body["delta"] = delta
-        else:
-            body["text"] = text
         choice.started = True
-        chunk = dict(self._head("chat.completion.chunk" if self.chat else "text_completion"), choices=[body])
         if with_prompt and self.req.prompt_logprobs is not None:
-            (chunk if self.chat else body)["prompt_logprobs"] = self._prompt_logprobs(choice)
+            body["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return self._with_usage(choice, dict(self._head("text_completion"), choices=[body]))
+
+    def _with_usage(self, choice: ChoiceState, chunk: dict) -> dict:
         if self.req.continuous_usage:  # this choice's usage so far, as vLLM reports it
             prompt, completion = choice.num_prompt_tokens, len(choice.token_ids)
             chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,

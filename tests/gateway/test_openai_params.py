@@ -153,7 +153,7 @@ def test_a_developer_turn_is_a_system_turn():
 
 def test_chat_refuses_what_it_would_otherwise_ignore():
     for body, field in [({"messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}, "messages[0].tool_calls"),
-                        ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, "tools"),
+                        ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, "tools[0].function"),
                         ({"messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json"}},
                          "response_format.type")]:
         with pytest.raises(InvalidArgumentError) as caught:
