@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +50,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     seed: int
+    structured_output: dict | None = None  # --structured: a JSON schema; it, not max_tokens, ends the request
 
 
 @dataclass
@@ -122,7 +123,8 @@ async def drive(requests: list[BenchRequest], rate: float, seed: int,
                     last = now
                 result.output_tokens += new_tokens
             result.e2e = time.perf_counter() - start
-            result.ok = result.output_tokens == req.max_tokens
+            result.ok = (0 < result.output_tokens <= req.max_tokens if req.structured_output
+                         else result.output_tokens == req.max_tokens)
             if not result.ok:
                 result.error = f"got {result.output_tokens} of {req.max_tokens} tokens"
         except Exception as exc:  # a failed request is counted, not fatal
@@ -147,12 +149,26 @@ async def run_stack(address: str, requests: list[BenchRequest], rate: float, tem
         await client.generate([requests[0].prompt_token_ids[0]], max_tokens=2)  # warm-up
 
         async def chunks(req: BenchRequest) -> AsyncIterator[tuple[int, bool]]:
-            async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens, ignore_eos=True,
+            async with client.stream(req.prompt_token_ids, max_tokens=req.max_tokens,
+                                     ignore_eos=req.structured_output is None, structured_output=req.structured_output,
                                      temperature=temperature, seed=req.seed) as stream:
                 async for chunk in stream:
                     yield len(chunk.token_ids), bool(chunk.token_ids)
 
         return await drive(requests, rate, seed, chunks)
+
+
+def structured_requests(requests: list[BenchRequest]) -> list[BenchRequest]:
+    """``--structured``: each request constrained by a JSON schema (an array of short lowercase words)
+    sized to about its output length, with room past it for the grammar to end."""
+    return [replace(r, max_tokens=2 * r.max_tokens, structured_output={"json": {
+        "type": "array", "minItems": max(1, r.max_tokens // 4), "maxItems": max(1, r.max_tokens // 4),
+        "items": {"type": "string", "pattern": "^[a-z]{3,6}$"}}}) for r in requests]
+
+
+def as_long_as(requests: list[BenchRequest], results: list[RequestResult]) -> list[BenchRequest]:
+    """The requests unconstrained, each asking for the tokens its constrained run produced."""
+    return [replace(r, structured_output=None, max_tokens=max(1, res.output_tokens)) for r, res in zip(requests, results)]
 
 
 def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:
@@ -346,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-layers", type=int, default=0,
                         help="with --start-stack: serve (and load in process) only the model's first N decoder layers, "
                              "for a fast CPU's step time on a slow one (0: the whole model)")
+    parser.add_argument("--structured", action="store_true",
+                        help="gRPC: every request constrained by a JSON schema, then the same requests unconstrained "
+                             "with the output lengths the constrained run produced (new prompt ids): the ratio is "
+                             "what structured output costs")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -415,6 +435,21 @@ def main(argv: list[str] | None = None) -> int:
             round_requests = requests if round_index == 0 else fresh_tokens(requests, vocab_size,
                                                                             args.seed + 100 + round_index)
             label = f" round {round_index + 1}" if args.rounds > 1 else ""
+            if args.structured:
+                constrained = structured_requests(round_requests)
+                results, duration = asyncio.run(run_stack(address, constrained, args.request_rate,
+                                                          args.temperature, args.seed, args.multiplex == "on"))
+                summaries.append(summarize("stack, JSON schema" + label, results, duration))
+                print(report(summaries[-1]), flush=True)
+                free = fresh_tokens(as_long_as(constrained, results), vocab_size, args.seed + 7)
+                results, duration = asyncio.run(run_stack(address, free, args.request_rate,
+                                                          args.temperature, args.seed, args.multiplex == "on"))
+                summaries.append(summarize("stack, unconstrained" + label, results, duration))
+                print(report(summaries[-1]), flush=True)
+                ratio = summaries[-2]["output_token_throughput"] / max(summaries[-1]["output_token_throughput"], 1e-9)
+                print(f"JSON schema / unconstrained output-token throughput{label}: {ratio:.1%} (goal >= 80%)",
+                      flush=True)
+                continue
             if args.backend in ("grpc", "both"):
                 cpu = CpuAccount(stack)
                 results, duration = asyncio.run(run_stack(address, round_requests, args.request_rate,
