@@ -217,7 +217,8 @@ class GenerationService:
         field = "prompt_token_ids" if inp.prompt_token_ids is not None else "prompt"
         check_prompt(ids, inp.sampling_params.max_tokens, max_model_len=limits.max_model_len,
                      vocab_size=limits.vocab_size, field=field, logit_bias=inp.sampling_params.logit_bias,
-                     allowed_token_ids=inp.sampling_params.allowed_token_ids)
+                     allowed_token_ids=inp.sampling_params.allowed_token_ids,
+                     stop_token_ids=inp.sampling_params.stop_token_ids)
         check_allowed_token_ids(inp.sampling_params, limits.eos_token_ids)
         await self._check_structured_output(inp.sampling_params.structured_output)
         return ids

@@ -234,7 +234,8 @@ class LLM:
         info = self.runner.info
         for ids, params in zip(token_lists, params_list):  # every prompt is checked before any runs
             check_prompt(ids, params.max_tokens, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                         logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids)
+                         logit_bias=params.logit_bias, allowed_token_ids=params.allowed_token_ids,
+                         stop_token_ids=params.stop_token_ids)
             check_allowed_token_ids(params, info.eos_token_ids)
             check_sampling(params.structured_output)
         pending: dict[str, _Pending] = {}

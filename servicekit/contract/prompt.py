@@ -91,10 +91,15 @@ def check_allowed_token_ids(params: SamplingParams, eos_token_ids: Sequence[int]
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, max_model_len: int, vocab_size: int,
                  field: str = "prompt", logit_bias: Sequence[tuple[int, float]] = (),
-                 allowed_token_ids: Sequence[int] = ()) -> None:
+                 allowed_token_ids: Sequence[int] = (), stop_token_ids: Sequence[int] = ()) -> None:
     """Raise InvalidArgumentError unless the prompt is non-empty, its ids are in the vocabulary
     (``field`` names where they came from), it passes the length rule and the ids of
-    ``logit_bias`` and ``allowed_token_ids`` (SamplingParams', ascending) are in the vocabulary too."""
+    ``logit_bias``, ``allowed_token_ids`` (SamplingParams', ascending) and ``stop_token_ids`` are in
+    the vocabulary too (a stop id past it could never be sampled: a caller's mistake, not a no-op)."""
+    outside = [t for t in stop_token_ids if t >= vocab_size]
+    if outside:
+        raise InvalidArgumentError("stop_token_ids", f"token id {outside[0]} is out of vocabulary (ids must be in "
+                                                     f"[0, {vocab_size}))")
     if logit_bias and logit_bias[-1][0] >= vocab_size:
         raise InvalidArgumentError("logit_bias", f"token ids must be in [0, {vocab_size}), got {logit_bias[-1][0]}")
     if allowed_token_ids and allowed_token_ids[-1] >= vocab_size:

@@ -708,3 +708,15 @@ async def test_prompt_logprobs_bounds(stack):
             with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
                 await client.completions.create(model=stack.model, prompt="Hi", max_tokens=1,
                                                 extra_body={"prompt_logprobs": value})
+
+
+async def test_stop_token_ids_outside_the_vocabulary_are_refused_over_http_and_grpc(stack):
+    async with AsyncClient(stack.gateway_address, timeout=30) as sdk:
+        vocab = (await sdk.model_info()).vocab_size
+        status, body = await asyncio.to_thread(http, stack, "POST", "/v1/completions",
+                                               {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [1, vocab + 1]})
+        assert status == 400 and body["error"]["param"] == "stop_token_ids", body
+        assert f"token id {vocab + 1} is out of vocabulary" in body["error"]["message"]
+        with pytest.raises(InvalidArgumentError) as caught:
+            await sdk.generate("hi", max_tokens=2, stop_token_ids=[10**9])
+    assert caught.value.field == "stop_token_ids"

@@ -316,6 +316,9 @@ def test_length_and_vocabulary_errors_read_as_clients_expect():
         assert caught.value.field == field
     with pytest.raises(InvalidArgumentError, match="token id 50 is out of vocabulary"):
         check_prompt([1, 50], 1, max_model_len=10, vocab_size=50)
+    with pytest.raises(InvalidArgumentError, match=r"token id 77 is out of vocabulary \(ids must be in \[0, 50\)\)") as caught:
+        check_prompt([1], 1, max_model_len=10, vocab_size=50, stop_token_ids=(3, 77))
+    assert caught.value.field == "stop_token_ids"
 
 
 async def test_an_error_after_the_stream_began_is_an_error_event_then_done(hf_tokenizer):
