@@ -203,8 +203,12 @@ def _prompt_only(chunk: GenerateChunk) -> GenerateChunk:
 
 
 def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> dict | list[dict] | None:
-    offset = choice.num_chars + (len(choice.prefix) if not choice.text else 0)
+    # the text offset of this chunk's first token: the prefix (echo) and every earlier token's text,
+    # whether or not the text was released yet (the whole answer's offsets, streamed)
+    offset = len(choice.prefix) + choice.num_chars
     text, logprobs, _ids = choice.add(chunk)
+    if responder.req.logprobs and not responder.chat:
+        choice.num_chars += responder.token_chars(logprobs)
     with_prompt = bool(chunk.prompt_token_ids)
     if (not text and choice.finish_reason is None and choice.started and not (responder.req.logprobs and logprobs)
             and not with_prompt):

@@ -108,7 +108,9 @@ class ChoiceState:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     started: bool = False  # a streamed chat choice sends role "assistant" in its first delta
-    num_chars: int = 0  # characters of text taken so far (completions' logprobs text_offset)
+    # characters of the text of the tokens taken so far (completions' logprobs text_offset counts
+    # in the tokens' text, which a held-back stop string or character may not have released yet)
+    num_chars: int = 0
     num_prompt_tokens: int = 0
     # arrived with the first token when prompt logprobs were asked for (echo with logprobs, or
     # vLLM's prompt_logprobs): one per prompt token after the first, and the prompt's ids
@@ -135,7 +137,6 @@ class ChoiceState:
         if not self.text:
             text = self.prefix + text
         self.text.append(text)
-        self.num_chars += len(text)
         self.logprobs.extend(chunk.logprobs)
         self.token_ids.extend(chunk.token_ids)
         return text, chunk.logprobs, chunk.token_ids
@@ -211,6 +212,10 @@ class Responder:
         self.created = int(time.time())
         self._token_text = token_text
         self._token_name = token_id_text if req.tokens_as_ids else token_text  # how logprobs name a token
+
+    def token_chars(self, logprobs: list[TokenLogprobs]) -> int:
+        """The length of these tokens' text, as completions' text offsets count it."""
+        return sum(len(self._token_text(lp.token_id)) for lp in logprobs)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.call_id, "object": obj, "created": self.created, "model": self.model}

@@ -15,7 +15,7 @@ from gateway_service.openai_responses import ChoiceState, Responder, TokenText
 from servicekit.contract.api import Usage
 from servicekit.contract.errors import InvalidArgumentError, UnavailableError
 from servicekit.contract.prompt import truncate_prompt
-from servicekit.contract.step import FinishReason
+from servicekit.contract.step import FinishReason, TokenLogprobs
 
 
 def test_openai_and_vllm_parameters_map_onto_sampling_params():
@@ -343,3 +343,32 @@ async def test_an_error_after_the_stream_began_is_an_error_event_then_done(hf_to
     assert [c["object"] for c in parsed] == ["chat.completion.chunk"] * 2
     assert parsed[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hello"}
     assert parsed[1]["choices"][0]["finish_reason"] == "length" and parsed[1]["usage"] is None
+
+
+async def test_streamed_text_offsets_count_tokens_whose_text_was_held_back(hf_tokenizer):
+    """A possible stop string held the first token's text back: the next chunk's text is two
+    tokens' text but its one token's offset still counts the first token (the whole answer's
+    offsets, streamed; vLLM tests exactly this)."""
+    ids = hf_tokenizer.encode("\nThe sea is", add_special_tokens=False)
+    texts = [hf_tokenizer.decode([t]) for t in ids]
+    req = parse_completion({"prompt": "x", "max_tokens": 4, "logprobs": 0, "stream": True, "stop": ["\n\n"]})
+    responder = Responder(req, chat=False, call_id="cmpl-1", model="m", token_text=TokenText(hf_tokenizer))
+
+    def chunk(text, token_ids, **last):
+        return GenerateChunk("r", text=text, token_ids=token_ids, logprobs=[TokenLogprobs(t, -0.5, []) for t in token_ids],
+                             **last)
+    chunks = [chunk("", ids[:1]), chunk(texts[0] + texts[1], ids[1:2]),
+              chunk("".join(texts[2:]), ids[2:], finish_reason=FinishReason.LENGTH, usage=Usage(1, len(ids), 0))]
+    queue: asyncio.Queue = asyncio.Queue()
+    for c in chunks[1:]:
+        queue.put_nowait((0, c))
+    queue.put_nowait((0, None))
+    events = [e async for e in sse_events((0, chunks[0]), queue, 1, [ChoiceState(0)], responder, [])]
+    streamed = [json.loads(e[len(b"data: "):-2]) for e in events[:-1]]
+    offsets = [o for s in streamed for o in s["choices"][0]["logprobs"]["text_offset"]]
+
+    whole = ChoiceState(0)
+    for c in chunks:
+        whole.add(c)
+    want = responder.whole([whole])["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == want == [sum(len(t) for t in texts[:k]) for k in range(len(ids))]
