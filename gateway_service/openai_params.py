@@ -61,7 +61,7 @@ _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_id
                 "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids", "prompt_logprobs",
                 "response_format", "structured_outputs", *_GUIDED, *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
-CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
                                       "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
                                       "tools", "tool_choice", "parallel_tool_calls"})
 # chat_template_kwargs are variables of the template, never these: apply_chat_template's and its
@@ -203,12 +203,11 @@ def _logit_bias(body: dict) -> dict[int, Any]:
     """OpenAI's ``{"token id": bias}`` (JSON keys are strings) as ``{id: bias}``; ranges are checked
     by SamplingParams, ids against the vocabulary by the gateway."""
     value = _get(body, "logit_bias", dict, {})
-    out = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX):
-            raise InvalidArgumentError("logit_bias", f"keys must be token ids (integers >= 0 as strings), got {key!r}")
-        out[int(key)] = bias
-    return out
+    bad = [key for key in value if not (isinstance(key, str) and key.isdigit() and int(key) <= INT32_MAX)]
+    if bad:
+        shown = ", ".join(map(repr, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise InvalidArgumentError("logit_bias", f"keys must be token ids (integers >= 0 as strings), got {shown}")
+    return {int(key): bias for key, bias in value.items()}
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -409,6 +408,8 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise InvalidArgumentError(f"messages[{i}]", "must be an object")
         role = message.get("role")
+        if role not in _ROLES:
+            raise InvalidArgumentError(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}; got {role!r}")
         allowed = ("role", "content", "name", *_TOOL_KEYS.get(role, ()))
         for key, value in message.items():
             if key not in allowed and value is not None:  # "tool_calls": null, "refusal": null
@@ -429,6 +430,9 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
+# the roles a turn may have: developer is OpenAI's newer name for system, and a tool turn is a
+# tool's result (both rendered as the turns chat templates know: gateway_service.tool_calls)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 # the keys a turn of these roles may have besides role, content and name
 _TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 
@@ -448,6 +452,8 @@ def parse_chat(body: Any) -> OpenAIRequest:
     chat reply may fill what the model has room for, as in vLLM (``fill_max_tokens``: the caller
     sets it with :func:`chat_max_tokens` once the prompt is tokenized)."""
     body = check_keys(body, CHAT_KEYS)
+    if _get(body, "echo", bool, False):  # vLLM's chat echo repeats the last turn; only its off value here
+        raise InvalidArgumentError("echo", "is not supported on chat (only false)")
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body)
     if tools is not None:

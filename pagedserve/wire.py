@@ -51,7 +51,7 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
         check_text("prompt", prompt)
         msg.prompt = prompt
     elif prompt is not None:
-        msg.prompt_token_ids.ids.extend(token_id_list(prompt))
+        msg.prompt_token_ids.ids.extend(token_id_list(prompt, "prompt_token_ids"))
     if sampling_params is not None:
         sampling_params_to_pb(sampling_params, msg.sampling_params)
     sp = msg.sampling_params

@@ -372,3 +372,18 @@ async def test_streamed_text_offsets_count_tokens_whose_text_was_held_back(hf_to
         whole.add(c)
     want = responder.whole([whole])["choices"][0]["logprobs"]["text_offset"]
     assert offsets == want == [sum(len(t) for t in texts[:k]) for k in range(len(ids))]
+
+
+def test_roles_echo_off_and_every_bad_logit_bias_key_are_said():
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": [{"role": "my-custom-role", "content": "x"}]})
+    assert caught.value.field == "messages[0].role"
+    assert "system, developer, user, assistant, tool" in caught.value.message
+    (inp,) = parse_chat({"messages": [{"role": "user", "content": "Hi"}], "echo": False}).inputs  # vLLM's off value
+    assert inp.messages == [{"role": "user", "content": "Hi"}]
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": "Hi"}], "echo": True})
+    assert caught.value.field == "echo"
+    with pytest.raises(InvalidArgumentError) as caught:
+        parse_completion({"prompt": "x", "logit_bias": {"5": 1, "x": 2, "-3": 1}})
+    assert caught.value.field == "logit_bias" and "'x', '-3'" in caught.value.message
