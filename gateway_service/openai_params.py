@@ -210,8 +210,9 @@ def _logit_bias(body: dict) -> dict[int, Any]:
     return {int(key): bias for key, bias in value.items()}
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-              ) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None, *,
+              tool_constraint: StructuredOutput | None = None) -> SamplingParams:
+    """``tool_constraint``: a required or named tool choice's, in place of the body's own."""
     number = (int, float)
     kwargs = {key: _get(body, key, number) for key in ("temperature", "top_p", "min_p", "repetition_penalty",
                                                         "presence_penalty", "frequency_penalty")}
@@ -223,7 +224,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs
     allowed = _int_list(body, "allowed_token_ids")
     if body.get("allowed_token_ids") is not None and not allowed:  # vLLM refuses an empty list too
         raise InvalidArgumentError("allowed_token_ids", "must not be empty (leave it out to allow every token)")
-    constraint, field = structured_output(body)
+    constraint, field = (tool_constraint, "tools") if tool_constraint is not None else structured_output(body)
     try:
         return SamplingParams(max_tokens=max_tokens, stop=_stop(body), stop_token_ids=_int_list(body, "stop_token_ids"),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(body),
@@ -232,15 +233,20 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, prompt_logprobs
         raise _renamed(e, {"structured_output": field}) from None
 
 
-def structured_output(body: dict) -> tuple[StructuredOutput | None, str]:
-    """The body's output constraint and the key it came in: OpenAI's ``response_format``, vLLM's
-    ``structured_outputs`` or one of its ``guided_*`` keys (at most one of them)."""
+def _constraint_key(body: dict) -> str | None:
+    """Which key of the body holds its output constraint: OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` or one of its ``guided_*`` keys (at most one of them), or None."""
     given = [k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k) is not None]
     if len(given) > 1:
         raise InvalidArgumentError(given[1], f"give one output constraint, not both {given[0]} and {given[1]}")
-    if not given:
+    return given[0] if given else None
+
+
+def structured_output(body: dict) -> tuple[StructuredOutput | None, str]:
+    """The body's output constraint and the key it came in (see :func:`_constraint_key`)."""
+    key = _constraint_key(body)
+    if key is None:
         return None, "structured_output"
-    key = given[0]
     if key == "response_format":
         return _response_format(_get(body, key, dict))
     if key == "structured_outputs":
@@ -314,12 +320,13 @@ def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: b
 
 
 def _constraint_field(body: dict) -> str:
-    for key in ("response_format", "structured_outputs", *_GUIDED):
-        value = body.get(key)
-        if value is not None:
-            json_schema = isinstance(value, dict) and value.get("type") == "json_schema"
-            return "response_format.json_schema.schema" if key == "response_format" and json_schema else key
-    return "structured_output"
+    """The name errors about the body's output constraint go by (the schema's, for response_format's)."""
+    key = _constraint_key(body)
+    if key is None:
+        return "structured_output"
+    value = body[key]
+    json_schema = isinstance(value, dict) and value.get("type") == "json_schema"
+    return "response_format.json_schema.schema" if key == "response_format" and json_schema else key
 
 
 def _stream_option(options: dict, key: str) -> bool:
@@ -456,13 +463,13 @@ def parse_chat(body: Any) -> OpenAIRequest:
         raise InvalidArgumentError("echo", "is not supported on chat (only false)")
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body)
+    tool_constraint = None
     if tools is not None:
         messages = _with_tools(messages, tools)
-        if tools.constrained:  # the calls' JSON, by construction
-            if structured_output(body)[0] is not None:
-                raise InvalidArgumentError("tool_choice", "a required or named tool choice constrains the output: "
-                                                          "it cannot be combined with response_format")
-            body = {**body, "structured_outputs": {"json": json.loads(constraint(tools).spec)}}
+        tool_constraint = constraint(tools)  # required or named: the calls' JSON, by construction
+        if tool_constraint is not None and _constraint_key(body) is not None:
+            raise InvalidArgumentError("tool_choice", "a required or named tool choice constrains the output: "
+                                                      "it cannot be combined with response_format")
     logprobs = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int)
     if top and not logprobs:  # vLLM, too, refuses only a positive count
@@ -477,7 +484,7 @@ def parse_chat(body: Any) -> OpenAIRequest:
     prompt_logprobs = _prompt_logprobs(body)
     try:
         params = _sampling(body, max_tokens if max_tokens is not None else placeholder,
-                           (top or 0) if logprobs else None, prompt_logprobs)
+                           (top or 0) if logprobs else None, prompt_logprobs, tool_constraint=tool_constraint)
     except InvalidArgumentError as exc:
         raise _renamed(exc, names) from None
     inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body),

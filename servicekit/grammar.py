@@ -5,9 +5,9 @@ compiles a JSON schema for a 49k vocabulary in tens of milliseconds, and it fill
 next-token bitmask in microseconds with a torch function to apply it on the CPU or a GPU
 (llguidance, the other candidate, is as fast per token but would need our own torch glue).
 
-- :func:`check`: is a constraint valid (schema, regex, grammar)? Raises ``InvalidArgumentError``
-  naming the caller's field. Needs no tokenizer, so the gateway and ``pagedserve.LLM`` refuse a bad
-  request before it is queued.
+- :func:`check_sampling` / :func:`grammar_of`: is a constraint valid (schema, regex, grammar)?
+  Raises ``InvalidArgumentError`` naming the caller's field. Needs no tokenizer, so the gateway and
+  ``pagedserve.LLM`` refuse a bad request before it is queued.
 - :class:`GrammarCompiler`: a constraint compiled against a model's vocabulary, cached by its text;
   the worker builds one per model and one matcher per constrained request.
 
@@ -18,10 +18,9 @@ schema does not name, as OpenAI's ``strict: true``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import threading
-from collections import OrderedDict
 from typing import Any
 
 from servicekit.contract.errors import InvalidArgumentError
@@ -69,24 +68,25 @@ def _message(exc: Exception) -> str:
     return _LOCATION.sub("", text[0] if text else type(exc).__name__)
 
 
-def check(constraint: StructuredOutput, field: str = "structured_output") -> None:
-    """Raise ``InvalidArgumentError(field, ...)`` unless the engine accepts ``constraint``."""
+def grammar_of(constraint: StructuredOutput, field: str = "structured_output") -> Any:
+    """The ``xgrammar.Grammar`` of ``constraint``; ``InvalidArgumentError(field, ...)`` when the
+    engine refuses it. Needs no tokenizer: what the gateway checks is what the worker compiles."""
     xgr = _xgrammar()
+    kind, spec = constraint.kind, constraint.spec
     try:
-        if constraint.kind == "json_schema":
-            xgr.Grammar.from_json_schema(constraint.spec, **_JSON_OPTIONS)
-        elif constraint.kind == "regex":
-            xgr.Grammar.from_regex(constraint.spec)
-        elif constraint.kind == "grammar":
-            xgr.Grammar.from_ebnf(constraint.spec)
-        elif constraint.kind == "choice":
-            xgr.Grammar.from_ebnf(choice_grammar(constraint.spec))
+        if kind in ("json_schema", "json_object"):
+            return xgr.Grammar.from_ebnf(json_grammar(spec or _ANY_OBJECT))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        return xgr.Grammar.from_ebnf(choice_grammar(spec) if kind == "choice" else spec)
     except (RuntimeError, ValueError, TypeError) as e:
-        raise InvalidArgumentError(field, f"invalid {constraint.kind.replace('_', ' ')}: {_message(e)}") from None
+        raise InvalidArgumentError(field, f"invalid {kind.replace('_', ' ')}: {_message(e)}") from None
 
 
-_checked: OrderedDict[tuple, None] = OrderedDict()  # constraints already found valid (by text)
-_checked_lock = threading.Lock()
+@functools.lru_cache(maxsize=_CHECKED_CACHE_SIZE)
+def _checked(constraint: StructuredOutput) -> None:
+    """``grammar_of`` once per constraint seen valid (an invalid one raises, and is not cached)."""
+    grammar_of(constraint)
 
 
 def check_sampling(constraint: StructuredOutput | None, *, max_bytes: int = MAX_SPEC_BYTES,
@@ -98,57 +98,25 @@ def check_sampling(constraint: StructuredOutput | None, *, max_bytes: int = MAX_
     if constraint.size > max_bytes:
         raise InvalidArgumentError(field, f"is {constraint.size} bytes; at most {max_bytes} "
                                           "(the gateway's --max-structured-output-bytes)")
-    with _checked_lock:
-        if constraint.key in _checked:
-            _checked.move_to_end(constraint.key)
-            return
-    check(constraint, field)
-    with _checked_lock:
-        _checked[constraint.key] = None
-        while len(_checked) > _CHECKED_CACHE_SIZE:
-            _checked.popitem(last=False)
+    try:
+        _checked(constraint)
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(field, e.message) from None
 
 
 class GrammarCompiler:
     """Constraints compiled for one model's vocabulary (thread-safe; compiled grammars cached by
-    text, least recently used dropped past :data:`COMPILED_CACHE_SIZE`)."""
+    constraint, least recently used dropped past :data:`COMPILED_CACHE_SIZE`)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def compile(self, constraint: StructuredOutput) -> Any:
-        """The ``xgrammar.CompiledGrammar`` of ``constraint`` (InvalidArgumentError when invalid)."""
-        key = constraint.key
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-        try:
-            compiled = self._compile(constraint)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidArgumentError("structured_output",
-                                       f"invalid {constraint.kind.replace('_', ' ')}: {_message(e)}") from None
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > COMPILED_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
-
-    def _compile(self, constraint: StructuredOutput) -> Any:
-        c = self._compiler
-        if constraint.kind in ("json_schema", "json_object"):
-            return c.compile_grammar(json_grammar(constraint.spec or _ANY_OBJECT))
-        if constraint.kind == "regex":
-            return c.compile_regex(constraint.spec)
-        if constraint.kind == "choice":
-            return c.compile_grammar(choice_grammar(constraint.spec))
-        return c.compile_grammar(constraint.spec)
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.compile = functools.lru_cache(maxsize=COMPILED_CACHE_SIZE)(
+            lambda constraint: compiler.compile_grammar(grammar_of(constraint)))
+        self.compile.__doc__ = "The ``xgrammar.CompiledGrammar`` of a constraint (InvalidArgumentError when invalid)."
 
     def matcher(self, constraint: StructuredOutput) -> Any:
         """A fresh ``xgrammar.GrammarMatcher`` at the start of ``constraint``."""

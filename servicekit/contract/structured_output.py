@@ -29,7 +29,7 @@ MAX_CHOICES = 1024
 class StructuredOutput:
     """Invariant: ``kind`` is one of :data:`KINDS`; ``spec`` is a non-empty string (``json_object``:
     empty), or for ``choice`` a non-empty tuple of non-empty strings. Whether the text is a valid
-    schema, regex or grammar is the grammar engine's to say (``servicekit.grammar.check``)."""
+    schema, regex or grammar is the grammar engine's to say (``servicekit.grammar.grammar_of``)."""
 
     kind: str
     spec: str | tuple[str, ...] = ""
@@ -59,11 +59,6 @@ class StructuredOutput:
         """The spec's size in bytes (UTF-8), which the gateway bounds."""
         parts = self.spec if isinstance(self.spec, tuple) else (self.spec,)
         return sum(len(p.encode()) for p in parts)
-
-    @property
-    def key(self) -> tuple[str, str | tuple[str, ...]]:
-        """What a compiled grammar is cached by."""
-        return (self.kind, self.spec)
 
 
 # vLLM's ``structured_outputs`` keys (and the SDK's one argument) → kinds
