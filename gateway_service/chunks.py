@@ -39,6 +39,9 @@ class ChunkAssembler:
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._on_stop_string = on_stop_string
         self.done = False
+        # the text of tokens below resume_from_index (which the client had): a tool-call reader
+        # takes it (ToolCallReader.skip) so a resumed stream holds back what the first one did
+        self.skipped_text = ""
 
     def feed(self, records: list[bytes]) -> GenerateChunk | None:
         chunk = GenerateChunk(request_id=self._request_id, first_index=max(self._next_index, self._start),
@@ -69,6 +72,8 @@ class ChunkAssembler:
                     text.append(piece)
                     if record.logprobs:
                         chunk.logprobs.append(record.logprobs[j])
+                else:
+                    self.skipped_text += piece
                 if stop is not None:
                     finish, chunk.stop_string, chunk.stop_token_id = FinishReason.STOP, stop, None
                     # Every reader sees the same stop; the request is aborted for all of them.

@@ -5,10 +5,14 @@ validated, and the chunks it streams. What the SDK builds and the gateway reads 
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.tool_calls import ToolChoice, constraint, parse_tools, render_turn, with_tools
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.generation import chat_from_pb, usage_to_pb
-from servicekit.proto.pb import generation_pb2
+from servicekit.proto.pb import generation_pb2, sampling_pb2
 from servicekit.proto.sampling import FINISH_REASON_TO_PB, logprobs_to_pb, sampling_params_from_pb
 
 
@@ -17,10 +21,18 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or prompt_token_ids is required")
+    params = sampling_params_from_pb(msg.sampling_params)
+    messages, tools = chat_turns_from_pb(msg.chat) if which == "chat" else (None, None)
+    tool_constraint = constraint(tools) if tools is not None else None
+    if tool_constraint is not None:  # a required or named choice: the calls' JSON, by construction
+        if params.structured_output is not None:
+            raise InvalidArgumentError("tool_choice", "a required or named tool choice constrains the output: "
+                                                           "it cannot be combined with structured_output")
+        params = replace(params, structured_output=tool_constraint)
     return GenerateInput(
-        sampling_params=sampling_params_from_pb(msg.sampling_params),
+        sampling_params=params, tools=tools,
         prompt=msg.prompt if which == "prompt" else None,
-        messages=chat_from_pb(msg.chat) if which == "chat" else None,
+        messages=messages,
         prompt_token_ids=list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
         model=msg.model, request_id=msg.request_id,
         resume_from_index=msg.resume_from_index if msg.HasField("resume_from_index") else None,
@@ -28,6 +40,41 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput
         truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
         add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
         continue_final_message=msg.chat.continue_final_message)
+
+
+def chat_turns_from_pb(chat: generation_pb2.Chat) -> tuple[list[dict[str, str]], ToolChoice | None]:
+    """A Chat's turns as the chat template takes them (the tools described first, calls and
+    results written as the model reads them) and its tools (None: none may be called)."""
+    tools = _tools_from_pb(chat)
+    turns = [render_turn(i, m["role"], m["content"], m.get("tool_calls")) for i, m in enumerate(chat_from_pb(chat))]
+    return (turns if tools is None else with_tools(turns, tools)), tools
+
+
+def _tools_from_pb(chat: generation_pb2.Chat) -> ToolChoice | None:
+    """Chat.tools and its choice, checked as OpenAI's are (gateway_service.tool_calls), errors
+    naming the proto's fields."""
+    tools = []
+    for i, tool in enumerate(chat.tools):
+        try:
+            parameters = json.loads(tool.parameters) if tool.parameters else None
+        except ValueError as exc:
+            raise InvalidArgumentError(f"tools[{i}].parameters", f"must be JSON text: {exc}") from None
+        tools.append({"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                                       "parameters": parameters}})
+    if chat.tool_choice_function:
+        if chat.tool_choice not in ("", "required"):
+            raise InvalidArgumentError("tool_choice", 'must be empty or "required" with tool_choice_function')
+        choice = {"type": "function", "function": {"name": chat.tool_choice_function}}
+    else:
+        choice = chat.tool_choice or None
+    body = {"tools": tools, "tool_choice": choice}
+    if chat.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = chat.parallel_tool_calls
+    try:
+        return parse_tools(body)
+    except InvalidArgumentError as exc:
+        field = exc.field.replace(".function.", ".").replace("tool_choice.name", "tool_choice_function")
+        raise InvalidArgumentError(field, exc.message.replace(exc.field, field)) from None
 
 
 def chunk_to_pb(chunk: GenerateChunk,
@@ -41,6 +88,10 @@ def chunk_to_pb(chunk: GenerateChunk,
     msg.token_ids.extend(chunk.token_ids)
     msg.first_index = chunk.first_index
     msg.finish_reason = FINISH_REASON_TO_PB[chunk.finish_reason]
+    if chunk.tool_calls:
+        msg.finish_reason = sampling_pb2.FINISH_REASON_TOOL_CALLS
+        for call in chunk.tool_calls:
+            msg.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
     msg.stop_string = chunk.stop_string
     if chunk.stop_token_id is not None:
         msg.stop_token_id = chunk.stop_token_id
@@ -58,7 +109,8 @@ def tokenize_input_from_pb(msg: generation_pb2.TokenizeRequest) -> tuple[str, st
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("text", "one of text or chat is required")
-    return msg.model, (msg.text if which == "text" else None), (chat_from_pb(msg.chat) if which == "chat" else None)
+    return msg.model, (msg.text if which == "text" else None), (chat_turns_from_pb(msg.chat)[0] if which == "chat"
+                                                                else None)
 
 
 def tokenize_response_to_pb(token_ids: list[int]) -> generation_pb2.TokenizeResponse:

@@ -34,6 +34,7 @@ from gateway_service.model_limits import ModelLimitsView
 from gateway_service.output_fanout import OutputFanout, SlowReaderError, Subscription
 from gateway_service.admission import Admission, request_digests
 from gateway_service.text import PromptTokenizer
+from gateway_service.tool_calls import DEFAULT_PARSER, ToolCallReader
 from servicekit.auth import ConcurrencyLimits, TokenRateLimits
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError, UnavailableError
@@ -41,6 +42,7 @@ from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, tr
 from servicekit.contract.structured_output import StructuredOutput
 from servicekit.grammar import CHECK_TIMEOUT_S, MAX_SPEC_BYTES, check_sampling
 from servicekit.contract.records import RequestRecord
+from servicekit.contract.step import FinishReason
 from servicekit.proto.queue import request_record_to_bytes
 from servicekit.redis_layout import RedisKeys
 
@@ -63,13 +65,14 @@ class _Reading:
     """One call's reading of an admitted request: its subscription, its chunk assembler, and the
     accounting of what it was sent (tokens charged to the key, metrics, whether it finished)."""
 
-    __slots__ = ("assembler", "finished", "owner", "request_id", "sub", "timer", "_tokens_per_key")
+    __slots__ = ("assembler", "finished", "owner", "request_id", "sub", "timer", "tools", "_tokens_per_key")
 
     def __init__(self, request_id: str, sub: Subscription, assembler: ChunkAssembler, owner: str,
-                 tokens_per_key: TokenRateLimits, timer) -> None:
+                 tokens_per_key: TokenRateLimits, timer, tools: ToolCallReader | None = None) -> None:
         self.request_id = request_id
         self.sub = sub
         self.assembler = assembler
+        self.tools = tools
         self.owner = owner
         self._tokens_per_key = tokens_per_key
         self.timer = timer
@@ -93,6 +96,8 @@ class _Reading:
             raise
         if chunk is None:
             return None
+        if self.tools is not None:
+            self._read_tools(chunk)
         self._tokens_per_key.charge(self.owner, len(chunk.token_ids))
         if chunk.finish_reason is not None:
             self.finished = True
@@ -101,6 +106,16 @@ class _Reading:
         if self.timer is not None:
             self.timer.chunk(chunk)
         return chunk
+
+    def _read_tools(self, chunk: GenerateChunk) -> None:
+        """``chunk``'s text as content only; its calls on the last one (finish_reason stays STOP)."""
+        if self.assembler.skipped_text:  # a resumed stream: what its client had, read first
+            self.tools.skip(self.assembler.skipped_text)
+            self.assembler.skipped_text = ""
+        if chunk.finish_reason is None:
+            chunk.text = self.tools.read(chunk.text)
+        else:
+            chunk.text, chunk.tool_calls = self.tools.finish(chunk.text, stopped=chunk.finish_reason is FinishReason.STOP)
 
 
 class GenerationService:
@@ -111,8 +126,10 @@ class GenerationService:
                  prompt_bytes_per_token: int = 16, per_key: ConcurrencyLimits | None = None,
                  tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0,
                  metrics: GatewayMetrics | None = None,
-                 structured_output_limits: tuple[int, float] = (MAX_SPEC_BYTES, CHECK_TIMEOUT_S)) -> None:
+                 structured_output_limits: tuple[int, float] = (MAX_SPEC_BYTES, CHECK_TIMEOUT_S),
+                 tool_parser: str = DEFAULT_PARSER) -> None:
         self._structured_limits = structured_output_limits
+        self._tool_parser = tool_parser
         self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
         self._max_buffered = max_buffered_outputs
         self.model = model
@@ -341,7 +358,8 @@ class GenerationService:
                 skip_special_tokens=not inp.include_special_tokens, include_stop_str=inp.include_stop_str,
                 on_stop_string=lambda: self._in_background(self._abort(request_id)))
             reading = _Reading(request_id, sub, assembler, owner, self._tokens_per_key,
-                               self._metrics.start() if self._metrics is not None else None)
+                               self._metrics.start() if self._metrics is not None else None,
+                               None if inp.tools is None else ToolCallReader(inp.tools, request_id, self._tool_parser))
             yield reading
         finally:
             self._fanout.unsubscribe(sub)

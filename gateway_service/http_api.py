@@ -45,7 +45,6 @@ from gateway_service.openai_params import (
     parse_tokenize,
 )
 from gateway_service.openai_responses import ChoiceState, Responder, TokenText, error_body, error_json
-from gateway_service.tool_calls import DEFAULT_PARSER
 from servicekit.auth import KeyStore
 from servicekit.contract.api import ModelInfo
 from servicekit.contract.errors import CancelledError as ClientGone
@@ -222,9 +221,8 @@ class OpenAIHttpApi:
     cannot make the gateway tokenize and admit without bound (``--max-requests-per-call``)."""
 
     def __init__(self, service: GenerationService, registry: CollectorRegistry, *, keys: KeyStore | None = None,
-                 guard_metrics: bool = False, max_choices: int = 0, tool_parser: str = DEFAULT_PARSER) -> None:
+                 guard_metrics: bool = False, max_choices: int = 0) -> None:
         self._service = service
-        self._tool_parser = tool_parser
         self._max_choices = max_choices
         self._registry = registry
         self._keys = keys if keys is not None else KeyStore()
@@ -287,8 +285,7 @@ class OpenAIHttpApi:
             inputs = [chat_max_tokens(inp, ids, limits.max_model_len) for inp in inputs]
         prefixes = [await self._echo_text(inp) if req.echo else "" for inp in inputs]
         call_id = ("chatcmpl-" if chat else "cmpl-") + (req.inputs[0].request_id or uuid.uuid4().hex)
-        responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text,
-                              tool_parser=self._tool_parser)
+        responder = Responder(req, chat=chat, call_id=call_id, model=self._service.model, token_text=self._token_text)
         choices = [ChoiceState(i, prefix=prefixes[i]) for i in range(len(inputs))]
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, inp, queue, request.state.owner, req))

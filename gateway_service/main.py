@@ -76,7 +76,8 @@ class GatewayApp:
                                                                    s.structured_output_check_s),
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
-                                         max_buffered_outputs=s.max_buffered_outputs, metrics=metrics)
+                                         max_buffered_outputs=s.max_buffered_outputs, metrics=metrics,
+                                         tool_parser=s.tool_call_parser)
         metrics.streams.set_function(lambda: self.service.in_flight)
         self.lifecycle = build_server(self.service, s, api_keys, registry)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
@@ -86,8 +87,7 @@ class GatewayApp:
             from gateway_service.http_api import OpenAIHttpApi
             from servicekit.http_server import HttpServer
 
-            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_requests_per_call,
-                                tool_parser=s.tool_call_parser)
+            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_requests_per_call)
             self._http = HttpServer(api.app, name="gateway", tls=s.tls)
             self.http_port = self._http.bind(s.http_host or s.host, s.http_port)
         self._limits.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway_service.tool_calls import ToolCall, ToolChoice
 from servicekit.contract.api import Usage
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason, TokenLogprobs
@@ -32,6 +33,9 @@ class GenerateInput:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None  # extra template variables (vLLM's; {"enable_thinking": False})
+    # messages only: the tools the answer may call (already described in messages; a required or
+    # named choice's constraint already in sampling_params); the chunks' text is then content only
+    tools: ToolChoice | None = None
 
 
 @dataclass(slots=True)
@@ -53,3 +57,5 @@ class GenerateChunk:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # on the chunk with the first token when prompt_logprobs were asked for (gateway-internal)
     prompt_token_ids: list[int] = field(default_factory=list)
+    # on the last chunk of an answer with tools that called any (its finish_reason is then STOP)
+    tool_calls: list[ToolCall] = field(default_factory=list)

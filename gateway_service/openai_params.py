@@ -24,14 +24,7 @@ from gateway_service.messages import GenerateInput
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.contract.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
-from gateway_service.tool_calls import (
-    ToolChoice,
-    assistant_text,
-    constraint,
-    parse_tools,
-    system_turn,
-    tool_result_text,
-)
+from gateway_service.tool_calls import ToolChoice, constraint, parse_tools, render_turn, with_tools
 from servicekit.contract.structured_output import StructuredOutput, schema_text, structured_output_of
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1  # the integer fields of the records requests travel as (protos)
@@ -422,18 +415,14 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             if key not in allowed and value is not None:  # "tool_calls": null, "refusal": null
                 raise InvalidArgumentError(f"messages[{i}].{key}", "is not supported")
         content = _content(i, role, message.get("content"))
-        if role == "tool":  # a tool's result, as the model reads one (gateway_service.tool_calls)
-            if not isinstance(content, str):
-                raise InvalidArgumentError(f"messages[{i}].content", "required: a string")
-            role, content = "user", tool_result_text(content)
-        elif role == "assistant" and message.get("tool_calls"):
-            if not isinstance(content, str):
-                raise InvalidArgumentError(f"messages[{i}].content", "must be a string or null")
-            content = assistant_text(i, content, message["tool_calls"])
+        if role in _TOOL_KEYS and not isinstance(content, str):
+            raise InvalidArgumentError(f"messages[{i}].content", "required: a string" if role == "tool"
+                                       else "must be a string or null")
         # OpenAI's "developer" turn is its newer name for the system turn; chat templates know "system".
-        role = "system" if role == "developer" else role
-        check_chat_message(i, role, content)
-        out.append({"role": role, "content": content})
+        # A tool turn (a result) and an assistant turn's calls: as the model reads them (tool_calls).
+        turn = render_turn(i, "system" if role == "developer" else role, content, message.get("tool_calls"))
+        check_chat_message(i, turn["role"], turn["content"])
+        out.append(turn)
     return out
 
 
@@ -442,16 +431,6 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # the keys a turn of these roles may have besides role, content and name
 _TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
-
-
-def _with_tools(messages: list[dict[str, str]], tools: ToolChoice) -> list[dict[str, str]]:
-    """The conversation with the tools described first (in its own system turn, joined to one the
-    conversation starts with: templates take one system turn, first)."""
-    described = system_turn(tools)
-    if messages[0]["role"] == "system":
-        joined = messages[0]["content"] + "\n\n" + described["content"] if messages[0]["content"] else described["content"]
-        return [{"role": "system", "content": joined}, *messages[1:]]
-    return [described, *messages]
 
 
 def parse_chat(body: Any) -> OpenAIRequest:
@@ -465,7 +444,7 @@ def parse_chat(body: Any) -> OpenAIRequest:
     tools = parse_tools(body)
     tool_constraint = None
     if tools is not None:
-        messages = _with_tools(messages, tools)
+        messages = with_tools(messages, tools)
         tool_constraint = constraint(tools)  # required or named: the calls' JSON, by construction
         if tool_constraint is not None and _constraint_key(body) is not None:
             raise InvalidArgumentError("tool_choice", "a required or named tool choice constrains the output: "
@@ -488,7 +467,7 @@ def parse_chat(body: Any) -> OpenAIRequest:
     except InvalidArgumentError as exc:
         raise _renamed(exc, names) from None
     inp = GenerateInput(params, messages=messages, **_common(body), **_template_options(body),
-                        chat_template_kwargs=_template_kwargs(body))
+                        chat_template_kwargs=_template_kwargs(body), tools=tools)
     return replace(_request(body, [inp], logprobs=logprobs, prompt_logprobs=prompt_logprobs),
                    fill_max_tokens=max_tokens is None,
                    max_tokens_field=names["max_tokens"], tools=tools,

@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway_service.messages import GenerateChunk
 from gateway_service.openai_params import OpenAIRequest
-from gateway_service.tool_calls import DEFAULT_PARSER, ParsedAnswer, ToolCall, call_id, held_back, parse_answer
+from gateway_service.tool_calls import ToolCall
 from servicekit.contract.api import Usage
 from servicekit.contract.errors import PagedServeError
 from servicekit.contract.step import TokenLogprobs
@@ -116,7 +116,7 @@ class ChoiceState:
     # vLLM's prompt_logprobs): one per prompt token after the first, and the prompt's ids
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
-    sent: int = 0  # a chat with tools: characters of the text streamed as content so far
+    tool_calls: list[ToolCall] = field(default_factory=list)  # a chat with tools: the calls, on finishing
 
     def add(self, chunk: GenerateChunk) -> tuple[str, list[TokenLogprobs], list[int]]:
         """Take one chunk; returns its (text, logprobs, token ids) as the client sees them."""
@@ -128,7 +128,8 @@ class ChoiceState:
             if len(chunk.prompt_logprobs) == len(chunk.prompt_token_ids) - 1:
                 self.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason is not None:
-            self.finish_reason = str(chunk.finish_reason)
+            self.finish_reason = "tool_calls" if chunk.tool_calls else str(chunk.finish_reason)
+            self.tool_calls = chunk.tool_calls
             self.usage = chunk.usage
             if chunk.stop_string:  # in the text only with include_stop_str_in_output (OutputText)
                 self.stop_reason = chunk.stop_string
@@ -202,10 +203,8 @@ def chat_logprobs(logprobs: list[TokenLogprobs], token_text: Callable[[int], str
 class Responder:
     """Shapes one call's answers: ``chat`` picks the object kinds; ``call_id`` names the call."""
 
-    def __init__(self, req: OpenAIRequest, *, chat: bool, call_id: str, model: str, token_text: TokenText,
-                 tool_parser: str = DEFAULT_PARSER) -> None:
+    def __init__(self, req: OpenAIRequest, *, chat: bool, call_id: str, model: str, token_text: TokenText) -> None:
         self.req = req
-        self.tool_parser = tool_parser
         self.chat = chat
         self.call_id = call_id
         self.model = model
@@ -251,8 +250,9 @@ class Responder:
                                     "logprobs": self._logprobs(c, c.logprobs, len(c.prefix), with_prompt=True)}
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
-                if self.req.tools is not None:
-                    body["message"], body["finish_reason"] = self._tool_message(c, text)
+                if c.tool_calls:  # OpenAI: no content (null) beside calls unless the answer had some
+                    body["message"] = {"role": "assistant", "content": text if text.strip() else None,
+                                       "tool_calls": [call.json() for call in c.tool_calls]}
             else:
                 body["text"] = text
                 if self.req.prompt_logprobs is not None:
@@ -265,46 +265,20 @@ class Responder:
             answer["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         return answer
 
-    def _answer(self, choice: ChoiceState, text: str) -> ParsedAnswer:
-        """A finished chat answer read for tool calls (a cut-off one is content)."""
-        if choice.finish_reason != "stop":
-            return ParsedAnswer(text or None)
-        return parse_answer(text, self.req.tools, self.tool_parser)
-
-    def _calls(self, choice: ChoiceState, answer: ParsedAnswer) -> list[ToolCall]:
-        return [ToolCall(call_id(self.call_id, choice.index, k), name, arguments)
-                for k, (name, arguments) in enumerate(answer.calls)]
-
-    def _tool_message(self, choice: ChoiceState, text: str) -> tuple[dict, str | None]:
-        answer = self._answer(choice, text)
-        message: dict[str, Any] = {"role": "assistant", "content": answer.content}
-        if not answer.calls:
-            return message, choice.finish_reason
-        message["tool_calls"] = [call.json() for call in self._calls(choice, answer)]
-        return message, "tool_calls"
-
-    def _tool_deltas(self, choice: ChoiceState, logprobs: list[TokenLogprobs], offset: int, with_prompt: bool
-                     ) -> list[dict]:
-        """A streamed chat with tools: text is content up to where a call may begin (held back
-        until the answer ends); the last chunk brings the calls, each as OpenAI streams one (id,
-        name and empty arguments, then the arguments), and ``finish_reason: "tool_calls"``."""
-        text = "".join(choice.text)
-        tools = self.req.tools
-        if choice.finish_reason is None:
-            cut = held_back(text, tools, self.tool_parser)
-            fresh, choice.sent = text[choice.sent:cut], max(choice.sent, cut)
-            return [self._delta_chunk(choice, {"content": fresh} if fresh or not choice.started else {}, logprobs,
-                                      offset, with_prompt, finish=None)]
-        answer = self._answer(choice, text)
-        if not answer.calls:
-            fresh = text[choice.sent:]
-            return [self._delta_chunk(choice, {"content": fresh} if fresh or not choice.started else {}, logprobs,
-                                      offset, with_prompt, finish=choice.finish_reason)]
+    def _tool_deltas(self, choice: ChoiceState, text: str, logprobs: list[TokenLogprobs], offset: int,
+                     with_prompt: bool) -> list[dict]:
+        """The end of a streamed answer that called tools: its last content, then each call as
+        OpenAI streams one (id, name and empty arguments, then the arguments), and
+        ``finish_reason: "tool_calls"``."""
         chunks = []
-        for k, call in enumerate(self._calls(choice, answer)):
+        if text or logprobs:
+            chunks.append(self._delta_chunk(choice, {"content": text} if text else {}, logprobs, offset, with_prompt,
+                                            finish=None))
+            with_prompt = False
+        for k, call in enumerate(choice.tool_calls):
             head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            chunks.append(self._delta_chunk(choice, {"tool_calls": [head]}, logprobs if k == 0 else [], offset,
-                                            with_prompt and k == 0, finish=None))
+            chunks.append(self._delta_chunk(choice, {"tool_calls": [head]}, [], offset, with_prompt and k == 0,
+                                            finish=None))
             chunks.append(self._delta_chunk(choice, {"tool_calls": [{"index": k, "function": {
                 "arguments": call.arguments}}]}, [], offset, False, finish=None))
         chunks.append(self._delta_chunk(choice, {}, [], offset, False, finish="tool_calls"))
@@ -331,8 +305,8 @@ class Responder:
         """One streamed chunk of ``choice``: new text (+ logprobs), and its finish reason on the last;
         ``with_prompt``: the chunk that brought the prompt logprobs (they go out in it). A chat with
         tools may answer with several chunks (its calls) or one without text."""
-        if self.chat and self.req.tools is not None:
-            return self._tool_deltas(choice, logprobs, offset, with_prompt)
+        if choice.tool_calls:
+            return self._tool_deltas(choice, text, logprobs, offset, with_prompt)
         if self.chat:
             return self._delta_chunk(choice, {} if choice.started and not text else {"content": text}, logprobs,
                                      offset, with_prompt, finish=choice.finish_reason)

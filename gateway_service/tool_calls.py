@@ -13,8 +13,11 @@ they reach the model, and how its output becomes ``tool_calls``.
   ``hermes`` takes each ``<tool_call>{json}</tool_call>`` block (the text around them is the
   content); ``json`` takes an answer that is a whole call object, or an array of them.
 
-Tool call ids are derived from the call's id and the call's index, so every gateway that serves
-the same stream names the same call the same way.
+:class:`ToolCallReader` does the reading as the text streams, on the gRPC and HTTP paths alike:
+text goes out as content up to where a call may begin, and the calls come with the last chunk. A
+resumed stream's reader first takes the text the client already had, so it holds back and parses
+exactly as the interrupted one did. Call ids are derived from the request's id and the call's
+index, so every gateway that serves the same stream names the same call the same way.
 
 Pure: no I/O, tested without a server.
 """
@@ -169,6 +172,28 @@ def tool_result_text(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
+def render_turn(index: int, role: str, content: str, tool_calls: Any = None) -> dict[str, str]:
+    """A turn as chat templates take it: a ``tool`` turn (a result) as a user turn in
+    ``<tool_response>`` tags, an assistant turn's ``tool_calls`` written after its text as the
+    model writes calls; other turns as they are."""
+    if role == "tool":
+        return {"role": "user", "content": tool_result_text(content)}
+    if role == "assistant" and tool_calls:
+        return {"role": "assistant", "content": assistant_text(index, content, tool_calls)}
+    return {"role": role, "content": content}
+
+
+def with_tools(messages: list[dict[str, str]], tools: ToolChoice) -> list[dict[str, str]]:
+    """The conversation with the tools described first (in its own system turn, joined to one the
+    conversation starts with: templates take one system turn, first)."""
+    described = system_turn(tools)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]["content"]
+        return [{"role": "system", "content": first + "\n\n" + described["content"] if first else described["content"]},
+                *messages[1:]]
+    return [described, *messages]
+
+
 # -- constrained calls -------------------------------------------------------------------------------
 
 def constraint(tools: ToolChoice) -> StructuredOutput | None:
@@ -185,9 +210,9 @@ def constraint(tools: ToolChoice) -> StructuredOutput | None:
 
 # -- reading the answer ------------------------------------------------------------------------------
 
-def call_id(call: str, index: int, k: int) -> str:
-    """The id of choice ``index``'s ``k``-th tool call in call ``call`` (the same on every gateway)."""
-    return "call_" + hashlib.sha256(f"{call}/{index}/{k}".encode()).hexdigest()[:24]
+def call_id(request_id: str, k: int) -> str:
+    """The id of request ``request_id``'s ``k``-th tool call (the same on every gateway)."""
+    return "call_" + hashlib.sha256(f"{request_id}/{k}".encode()).hexdigest()[:24]
 
 
 def _as_call(obj: Any, names: set[str]) -> tuple[str, str] | None:
@@ -238,20 +263,55 @@ def parse_answer(text: str, tools: ToolChoice, parser: str = DEFAULT_PARSER) -> 
         last = match.end()
         calls.append(call)
     rest.append(text[last:])
-    content = "".join(rest).strip() if calls else text
+    # trimmed where a call follows (held_back never lets a stream send that whitespace)
+    content = (rest[0].rstrip() + "".join(rest[1:])).rstrip() if calls else text
     return ParsedAnswer(content or None, calls)
 
 
 def held_back(text: str, tools: ToolChoice, parser: str = DEFAULT_PARSER) -> int:
     """Where a streamed answer's text must stop being sent as content: a constrained or ``json``
     answer is all held (it may be calls); a ``hermes`` one from its first ``<tool_call>``, or from
-    a tail that could still become one."""
+    a tail that could still become one, and the whitespace before it (trimmed from content when a
+    call follows)."""
     if tools.constrained or parser == "json":
         return 0
-    start = text.find(OPEN_TAG)
-    if start >= 0:
-        return start
-    for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+    cut = text.find(OPEN_TAG)
+    if cut < 0:
+        cut = next((len(text) - k for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1)
+                    if OPEN_TAG.startswith(text[-k:])), len(text))
+    return len(text[:cut].rstrip())
+
+
+class ToolCallReader:
+    """One answer's text read for tool calls as it streams. :meth:`read` takes each new piece of
+    text and returns the content to send now (what cannot be part of a call); :meth:`finish`
+    returns the rest of the content and the calls. A finished answer that did not end as ``stop``
+    (cut off at max_tokens, aborted) is content, all of it. ``skip``: text the client already had
+    (a resumed stream), taken without being sent again."""
+
+    def __init__(self, tools: ToolChoice, request_id: str, parser: str = DEFAULT_PARSER) -> None:
+        self._tools = tools
+        self._request_id = request_id
+        self._parser = parser
+        self._text = ""
+        self._sent = 0  # characters of the text sent as content
+
+    def skip(self, text: str) -> None:
+        self._text += text
+        self._sent = max(self._sent, held_back(self._text, self._tools, self._parser))
+
+    def read(self, text: str) -> str:
+        if not text:
+            return ""
+        self._text += text
+        cut = held_back(self._text, self._tools, self._parser)
+        fresh, self._sent = self._text[self._sent:cut], max(self._sent, cut)
+        return fresh
+
+    def finish(self, text: str, *, stopped: bool) -> tuple[str, list[ToolCall]]:
+        self._text += text
+        answer = parse_answer(self._text, self._tools, self._parser) if stopped else ParsedAnswer(self._text)
+        calls = [ToolCall(call_id(self._request_id, k), name, arguments)
+                 for k, (name, arguments) in enumerate(answer.calls)]
+        # what was sent is where the content starts (parse_answer keeps the text before a call whole)
+        return (answer.content or "")[self._sent:], calls

@@ -20,6 +20,7 @@ _LAZY = {
     "RequestOutput": "pagedserve.llm",
     "SamplingParams": "servicekit.contract.sampling_params",
     "StructuredOutput": "servicekit.contract.structured_output",
+    "ToolCall": "pagedserve.client_types",
 }
 
 __all__ = sorted(_LAZY)
@@ -27,6 +28,7 @@ __all__ = sorted(_LAZY)
 if TYPE_CHECKING:
     from pagedserve.aio_client import AsyncClient
     from pagedserve.client import Client
+    from pagedserve.client_types import ToolCall
     from pagedserve.llm import LLM, RequestMetrics, RequestOutput
     from servicekit.contract.sampling_params import SamplingParams
     from servicekit.contract.structured_output import StructuredOutput
