@@ -104,9 +104,16 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
     t0 = time.perf_counter()
     llm = LLM(model, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              attention_backend=args.attention_backend, dtype=dtype or args.dtype, skip_tokenizer_init=True)
+              attention_backend=args.attention_backend, dtype=dtype or args.dtype,
+              skip_tokenizer_init=not args.structured)  # the grammar engine reads the tokenizer
     init_s = time.perf_counter() - t0
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    if args.structured:  # serve.py --structured's schemas; the grammar, not max_tokens, ends each request
+        from serve import words_schema
+
+        params = [SamplingParams(max_tokens=2 * r.output_len, temperature=0.0,
+                                 structured_output={"json": words_schema(r.output_len)}) for r in requests]
+    else:
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     profiling = step_profile.install(llm) if args.profile else nullcontext()
     with rss.phase(), profiling as profile:
         t0 = time.perf_counter()
@@ -114,7 +121,10 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
         elapsed = time.perf_counter() - t0
     produced = sum(len(o.token_ids) for o in outputs)
     expected = sum(r.output_len for r in requests)
-    if produced != expected:
+    if args.structured:  # a word of many tokens can leave the array unfinished at max_tokens: counted, not refused
+        finished = {"stop": sum(o.finish_reason == "stop" for o in outputs),
+                    "length": sum(o.finish_reason == "length" for o in outputs)}
+    elif produced != expected:
         raise RuntimeError(f"pagedserve produced {produced} tokens, expected {expected}")
     stats = llm.scheduler.stats()
     info = llm.info
@@ -126,6 +136,7 @@ def run_pagedserve(model: str, requests: list[BenchRequest], args: argparse.Name
         "peak_rss_bytes": rss.peak,
         "load_average_before_after": rss.load(),
         "num_preemptions": stats.num_preemptions,
+        **({"structured": "json_schema (serve.words_schema)", "finish_reasons": finished} if args.structured else {}),
         "num_blocks": info.num_blocks,
         "block_size": info.block_size,
         "attention_backend": llm.runner.attention_backend,
@@ -232,6 +243,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", action="store_true",
                    help="time pagedserve's step by part (GEMM, attention, KV writes, sampling, worker and "
                         "scheduler Python) and print each part's share of the wall time (step_profile.py)")
+    p.add_argument("--structured", action="store_true",
+                   help="pagedserve only: constrain every request by a JSON schema (serve.py --structured's), so "
+                        "--profile shows what the grammar costs per step (its bitmask, matchers and mask rows)")
     p.add_argument("--tune-malloc-for-transformers", action="store_true",
                    help="apply pagedserve's CPU malloc tuning (worker_service.cpu_memory) before the transformers "
                         "phase too, so both phases run with the same allocator settings")
@@ -245,6 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peer-binary", default=peer_llamacpp.DEFAULT_BINARY)
     p.add_argument("--output", default="benchmarks/results/offline_throughput.json")
     args = p.parse_args(argv)
+    if args.structured and (not args.skip_hf or args.peer or args.compare_dtype):
+        p.error("--structured runs pagedserve alone: add --skip-hf, without --peer or --compare-dtype")
 
     from servicekit.model_registry import resolve_model
     from worker_service.loader import load_hf_config, resolve_dtype

@@ -158,12 +158,17 @@ async def run_stack(address: str, requests: list[BenchRequest], rate: float, tem
         return await drive(requests, rate, seed, chunks)
 
 
+def words_schema(num_tokens: int) -> dict:
+    """A JSON schema of about ``num_tokens`` tokens' worth of output: an array of short lowercase words."""
+    return {"type": "array", "minItems": max(1, num_tokens // 4), "maxItems": max(1, num_tokens // 4),
+            "items": {"type": "string", "pattern": "^[a-z]{3,6}$"}}
+
+
 def structured_requests(requests: list[BenchRequest]) -> list[BenchRequest]:
-    """``--structured``: each request constrained by a JSON schema (an array of short lowercase words)
-    sized to about its output length, with room past it for the grammar to end."""
-    return [replace(r, max_tokens=2 * r.max_tokens, structured_output={"json": {
-        "type": "array", "minItems": max(1, r.max_tokens // 4), "maxItems": max(1, r.max_tokens // 4),
-        "items": {"type": "string", "pattern": "^[a-z]{3,6}$"}}}) for r in requests]
+    """``--structured``: each request constrained by a JSON schema (:func:`words_schema`) sized to
+    about its output length, with room past it for the grammar to end."""
+    return [replace(r, max_tokens=2 * r.max_tokens, structured_output={"json": words_schema(r.max_tokens)})
+            for r in requests]
 
 
 def as_long_as(requests: list[BenchRequest], results: list[RequestResult]) -> list[BenchRequest]:

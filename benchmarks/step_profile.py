@@ -105,6 +105,7 @@ def _patched(targets: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[Non
 @contextmanager
 def install(llm: Any) -> Iterator[StepProfile]:
     """Profile ``llm`` (a ``pagedserve.LLM``) inside the block; yields the accumulating profile."""
+    import worker_service.sampler as sampler_module
     from worker_service.models.cpu_gemm import PackedLinear
 
     runner, scheduler = llm.runner, llm.scheduler
@@ -130,6 +131,11 @@ def install(llm: Any) -> Iterator[StepProfile]:
         *([(runner.model.head_gemm, "forward", w("logits (LM-head GEMM + fp32)", runner.model.head_gemm.forward))]
           if getattr(runner.model, "head_gemm", None) is not None else []),
         (runner, "sampler", w("sampler", runner.sampler)),
+        # structured output (worker_service.structured_output): per step, the constrained rows'
+        # next-token bitmask, the mask applied to their logits, and each matcher advanced
+        (runner.structured, "bitmask", w("grammar: next-token bitmasks (xgrammar)", runner.structured.bitmask)),
+        (runner.structured, "accept", w("grammar: matchers advanced (xgrammar)", runner.structured.accept)),
+        (sampler_module, "mask_to_grammar", w("grammar: mask applied to logits", sampler_module.mask_to_grammar)),
     ]
     if backend == "cpu":
         # The tuned CPU path runs prefill chunks and decode rows through the C kernel (or, without
