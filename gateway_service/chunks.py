@@ -38,6 +38,7 @@ class ChunkAssembler:
         self._wants_prompt_logprobs = params.prompt_logprobs is not None
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._on_stop_string = on_stop_string
+        self.constrained = params.structured_output is not None
         self.done = False
         # the text of tokens below resume_from_index (which the client had): a tool-call reader
         # takes it (ToolCallReader.skip) so a resumed stream holds back what the first one did

@@ -103,6 +103,10 @@ class _Reading:
             self.finished = True
             log.info("request %s finished (%s): %d tokens", self.request_id, chunk.finish_reason,
                      self.assembler.num_tokens)
+            if chunk.finish_reason is FinishReason.LENGTH and self.assembler.constrained:
+                log.warning("request %s: its structured output's grammar could not end within max_tokens (%d "
+                            "tokens); the output is incomplete (finish_reason length)", self.request_id,
+                            self.assembler.num_tokens)
         if self.timer is not None:
             self.timer.chunk(chunk)
         return chunk

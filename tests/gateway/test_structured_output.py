@@ -135,3 +135,15 @@ async def test_grpc_refuses_a_bad_constraint_by_name(stack):
         with pytest.raises(InvalidArgumentError) as caught:
             await sdk.generate("x", max_tokens=5, structured_output={"json": '{"type": "bogus"}'})
     assert caught.value.field == "structured_output" and "invalid json schema" in caught.value.message
+
+
+@pytest.mark.service
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_grammar_that_cannot_end_in_max_tokens_ends_with_length_and_says_so(stack, caplog):
+    async with AsyncClient(stack.gateway_address, timeout=60) as sdk:
+        with caplog.at_level("WARNING", logger="gateway_service.generation"):
+            cut = await sdk.generate("Say a lot", max_tokens=5, structured_output={"regex": "(ab){40}"},
+                                     request_id="grammar-too-long-1")
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 5 and re.fullmatch(r"(ab)*a?", cut.text)
+    assert any("grammar-too-long-1" in r.getMessage() and "could not end within max_tokens" in r.getMessage()
+               for r in caplog.records)
