@@ -178,6 +178,13 @@ class GenerationService:
             raise UnavailableError(f"no worker serving {self.model!r} is registered")
         return limits
 
+    async def not_ready(self) -> str | None:
+        """Why a generation sent now would not be served yet (draining, no worker registered or
+        driven); None when it would."""
+        if self.draining:
+            return "the gateway is draining"
+        return await self._limits.not_ready()
+
     async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelInfo,
                        *, text_field: str = "text", add_special_tokens: bool = True,
                        add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -1,6 +1,6 @@
 """The gateway's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (whole
-or as server-sent events), ``/v1/models``, ``/health`` (also as ``/ping``), ``/version``,
-``/tokenize``, ``/detokenize``, ``/metrics``.
+or as server-sent events), ``/v1/models``, ``/health`` (readiness, also as ``/ping``), ``/livez``
+(liveness), ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``.
 
 A thin layer like the gRPC servicer: JSON → :mod:`gateway_service.openai_params` → the one
 :meth:`GenerationService.generate` path (admission, queue limit, detokenization, stop strings, abort
@@ -234,8 +234,11 @@ class OpenAIHttpApi:
             Route("/v1/models/{model:path}", self._endpoint(self._model), methods=["GET"]),
             Route("/tokenize", self._endpoint(self._tokenize), methods=["POST"]),
             Route("/detokenize", self._endpoint(self._detokenize), methods=["POST"]),
+            # readiness: 200 once a completion can be served (as vLLM's, whose clients start on it);
+            # liveness: 200 while the process answers (draining, or no worker yet, included)
             Route("/health", self._endpoint(self._health, open_route=True), methods=["GET"]),
-            # vLLM's names for the same probe (``/ping``: SageMaker's) and its version route
+            Route("/livez", self._endpoint(self._live, open_route=True), methods=["GET"]),
+            # vLLM's names for the readiness probe (``/ping``: SageMaker's) and its version route
             Route("/ping", self._endpoint(self._health, open_route=True), methods=["GET", "POST"]),
             Route("/version", self._endpoint(self._version, open_route=True), methods=["GET"]),
             Route("/metrics", self._endpoint(self._metrics, open_route=not guard_metrics), methods=["GET"]),
@@ -382,8 +385,14 @@ class OpenAIHttpApi:
         return JSONResponse({"prompt": text})
 
     async def _health(self, request: Request) -> Response:
-        if self._service.draining:
-            raise UnavailableError("the gateway is draining")
+        """Ready: a completion sent now is served (not draining, a worker of the model registered
+        and driven by a scheduler); else 503 saying what is missing."""
+        reason = await self._service.not_ready()
+        if reason is not None:
+            raise UnavailableError(reason)
+        return Response(status_code=200)
+
+    async def _live(self, request: Request) -> Response:
         return Response(status_code=200)
 
     async def _version(self, request: Request) -> Response:

@@ -5,6 +5,9 @@ Choice: the gateway learns the model's name and limits from the workers'
 registry entries rather than from a flag, so they cannot disagree with what the workers run. Only
 workers of the gateway's own ``--model`` count (its tokenizer must match theirs). No such worker:
 Generate answers UNAVAILABLE.
+
+Readiness (``/health``): the model's limits are known *and* a scheduler drives one of its
+workers (holds its lease), so a request sent now is served, not only queued.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class ModelLimitsView:
         self.model = model
         self._refresh_s = refresh_s
         self.current: ModelInfo | None = None
+        self.num_driven = 0  # the model's workers a scheduler drives (holds the lease of), at the last refresh
         self._task: asyncio.Task | None = None
 
     async def refresh(self) -> ModelInfo | None:
@@ -47,8 +51,27 @@ class ModelLimitsView:
         if limits is None and records:
             log.warning("no registered worker serves %r (registered: %s)", self.model,
                         ", ".join(sorted({r.model for r in records})))
+        mine = [self._keys.lease(r.worker_id) for r in records if r.model == self.model]
+        self.num_driven = await self._redis.exists(*mine) if mine else 0
         self.current = limits
         return limits
+
+    async def not_ready(self) -> str | None:
+        """Why a request sent now would not be served yet (None: it would), refreshed at once when
+        the last refresh said not ready."""
+        for attempt in range(2):
+            if self.current is None:
+                reason = f"no worker serving {self.model!r} is registered"
+            elif not self.num_driven:
+                reason = f"no scheduler drives a worker of {self.model!r} yet"
+            else:
+                return None
+            if attempt == 0:
+                try:
+                    await self.refresh()
+                except RedisError as exc:
+                    return f"the worker registry is unreadable ({type(exc).__name__})"
+        return reason
 
     async def get(self) -> ModelInfo | None:
         """The limits, refreshing at once when none are known (a worker may have just registered)."""

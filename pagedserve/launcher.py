@@ -1,6 +1,6 @@
 """``pagedserve serve``: the whole stack on loopback, as processes — Redis, one worker, the
 scheduler and a gateway — started in dependency order, each waited for until its health check
-says SERVING. Ctrl-C (or SIGTERM) drains and stops them in reverse order.
+says SERVING, and "serving" said once a generation is answered. Ctrl-C (or SIGTERM) drains and stops them in reverse order.
 
 Children run in their own sessions, so a terminal's Ctrl-C reaches only this launcher, which then
 stops the gateway first (no new work), then the scheduler, the worker and Redis.
@@ -164,7 +164,9 @@ class Stack:
         scheduler = self._service("scheduler", [*scheduler_flags(o), *redis], o.scheduler_port)
         self._wait_serving(scheduler)
         self._wait_serving(gateway)
-        return f"{o.host}:{o.port}"
+        address = f"{o.host}:{o.port}"
+        self._wait_answering(address)
+        return address
 
     def _wait_redis(self, port: int) -> None:
         deadline = time.monotonic() + 20
@@ -188,6 +190,25 @@ class Stack:
                     pass
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{child.name} did not become SERVING on {child.health_address}")
+                time.sleep(0.2)
+
+    def _wait_answering(self, address: str) -> None:
+        """Until the gateway serves a one-token generation: SERVING says each process is up, not
+        that the worker has registered and the scheduler drives it (seconds later), and "serving"
+        is printed only once a request sent then is answered."""
+        from pagedserve.client import Client
+        from pagedserve.errors import UnavailableError
+
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        with Client(address, timeout=60, retries=0) as client:
+            while True:
+                self._check_alive()
+                try:
+                    client.generate("Hello", max_tokens=1)
+                    return
+                except UnavailableError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the gateway at {address} did not serve a generation") from None
                 time.sleep(0.2)
 
     def _check_alive(self) -> None:

@@ -445,6 +445,7 @@ async def test_models_health_tokenize_and_detokenize(stack, hf_tokenizer):
     assert status == 200 and [m["id"] for m in listed["data"]] == [stack.model]
     assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "GET", "/ping"))[0] == 200
+    assert (await asyncio.to_thread(http, stack, "GET", "/livez"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "POST", "/ping"))[0] == 200
     status, version = await asyncio.to_thread(http, stack, "GET", "/version")
     assert status == 200 and version == {"version": pagedserve.__version__}
@@ -514,6 +515,38 @@ async def test_a_full_queue_is_a_429(stack, hf_tokenizer):
             await asyncio.gather(*waiting, return_exceptions=True)
         while gateway.service.in_flight:  # the disconnects reach the server and end both waiting calls
             await asyncio.sleep(0.01)
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_tokenizer):
+    """/health (and /ping) is readiness: 503 naming what is missing while no worker of the model is
+    registered, or one is but no scheduler drives it; 200 on the serving stack. /livez is 200 all
+    along (the process answers)."""
+    from gateway_service.config import GatewayConfig
+    from gateway_service.main import GatewayApp
+
+    alone = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                     key_prefix="health-none:"), hf_tokenizer=hf_tokenizer)
+    await alone.start()
+    try:
+        status, said = await asyncio.to_thread(get, alone.http_port, "/health")
+        assert status == 503 and "no worker serving" in said, said
+        assert (await asyncio.to_thread(get, alone.http_port, "/livez"))[0] == 200
+    finally:
+        await alone.drain(1)
+    async with queue_limited_gateway(stack, hf_tokenizer, "health-undriven:", 2) as (gateway, _redis, _keys):
+        for path in ("/health", "/ping"):
+            status, said = await asyncio.to_thread(get, gateway.http_port, path)
+            assert status == 503 and "no scheduler drives" in said, said
+        assert (await asyncio.to_thread(get, gateway.http_port, "/livez"))[0] == 200
+    assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
 
 
 async def test_echo_and_cache_salt_are_applied(stack):
