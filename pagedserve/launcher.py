@@ -195,7 +195,8 @@ class Stack:
     def _wait_answering(self, address: str) -> None:
         """Until the gateway serves a one-token generation: SERVING says each process is up, not
         that the worker has registered and the scheduler drives it (seconds later), and "serving"
-        is printed only once a request sent then is answered."""
+        is printed only once a request sent then is answered. The probe's prompt is token id 0,
+        not text: some tokenizers turn a short word into no token at all."""
         from pagedserve.client import Client
         from pagedserve.errors import UnavailableError
 
@@ -204,7 +205,7 @@ class Stack:
             while True:
                 self._check_alive()
                 try:
-                    client.generate("Hello", max_tokens=1)
+                    client.generate([0], max_tokens=1)
                     return
                 except UnavailableError:
                     if time.monotonic() > deadline:
