@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from servicekit import redis_client
+from servicekit import redis_client, sampling_defaults
 from gateway_service.tool_calls import DEFAULT_PARSER, PARSERS
 from servicekit.contract.settings import setting
 from servicekit.grammar import CHECK_TIMEOUT_S, MAX_SPEC_BYTES
@@ -31,7 +31,23 @@ class GatewayPorts:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, RedisConfig, OutputStreamConfig, TlsConfig):
+class SamplingDefaultsConfig:
+    """The sampling a request gets for the fields it leaves unset (``pagedserve serve`` takes it too)."""
+
+    sampling_defaults: str = setting(
+        sampling_defaults.AUTO,
+        help="temperature / top_k / top_p / min_p / repetition_penalty a request leaves unset: auto = the model's "
+             "generation_config.json or GGUF general.sampling metadata, else pagedserve's for its short names "
+             "(smollm2-135m: greedy), else OpenAI's (temperature 1, no filter); neutral = OpenAI's always; or a "
+             "JSON object over auto's, e.g. '{\"temperature\": 0.7, \"top_p\": 0.9}'. Explicit request values win")
+
+    def __post_init__(self) -> None:
+        if self.sampling_defaults not in (sampling_defaults.AUTO, sampling_defaults.NEUTRAL):
+            sampling_defaults.parse_overrides(self.sampling_defaults)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, SamplingDefaultsConfig, RedisConfig, OutputStreamConfig, TlsConfig):
     """Every knob of a gateway; each field is also a flag and an env var."""
 
     http_host: str = setting("", help="interface of the OpenAI-compatible HTTP API and /metrics (empty: --host)")
@@ -95,5 +111,6 @@ class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, RedisConfig, Output
 
     def __post_init__(self) -> None:
         ModelConfig.__post_init__(self)  # every field's range, and a model named
+        SamplingDefaultsConfig.__post_init__(self)
         redis_client.validate(self)
         self.tls.check(server=True)

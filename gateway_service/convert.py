@@ -6,6 +6,7 @@ validated, and the chunks it streams. What the SDK builds and the gateway reads 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
 
 from gateway_service.messages import GenerateChunk, GenerateInput
@@ -16,12 +17,21 @@ from servicekit.proto.pb import generation_pb2, sampling_pb2
 from servicekit.proto.sampling import FINISH_REASON_TO_PB, logprobs_to_pb, sampling_params_from_pb
 
 
-def generate_input_from_pb(msg: generation_pb2.GenerateRequest) -> GenerateInput:
-    """Raises InvalidArgumentError naming the first bad field."""
+def generate_input_from_pb(msg: generation_pb2.GenerateRequest,
+                           sampling_defaults: Mapping[str, float] | None = None) -> GenerateInput:
+    """Raises InvalidArgumentError naming the first bad field. ``sampling_defaults``: what the
+    sampling fields the message leaves unset take (``servicekit.sampling_defaults``)."""
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or prompt_token_ids is required")
-    params = sampling_params_from_pb(msg.sampling_params)
+    sampling = msg.sampling_params
+    if sampling_defaults:
+        sampling = sampling_pb2.SamplingParams()
+        sampling.CopyFrom(msg.sampling_params)
+        for name, value in sampling_defaults.items():
+            if not sampling.HasField(name):
+                setattr(sampling, name, int(value) if name == "top_k" else value)
+    params = sampling_params_from_pb(sampling)
     messages, tools = chat_turns_from_pb(msg.chat) if which == "chat" else (None, None)
     tool_constraint = constraint(tools) if tools is not None else None
     if tool_constraint is not None:  # a required or named choice: the calls' JSON, by construction

@@ -17,6 +17,7 @@ is refused by its size before it is tokenized (``prompt_bytes_per_token``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import re
@@ -123,7 +124,10 @@ class _Reading:
 
 
 class GenerationService:
-    """The gateway's logic, free of gRPC. ``in_flight`` counts live Generate streams."""
+    """The gateway's logic, free of gRPC. ``in_flight`` counts live Generate streams.
+    ``sampling_defaults``: what the sampling fields a request leaves unset take (field name ->
+    value, ``servicekit.sampling_defaults``); each API fills them in before it parses a request,
+    since only it knows which fields were sent."""
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  admission: Admission, fanout: OutputFanout, seed_rng: random.Random | None = None,
@@ -131,7 +135,8 @@ class GenerationService:
                  tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0,
                  metrics: GatewayMetrics | None = None,
                  structured_output_limits: tuple[int, float] = (MAX_SPEC_BYTES, CHECK_TIMEOUT_S),
-                 tool_parser: str = DEFAULT_PARSER) -> None:
+                 tool_parser: str = DEFAULT_PARSER, sampling_defaults: dict[str, float] | None = None) -> None:
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._structured_limits = structured_output_limits
         self._tool_parser = tool_parser
         self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
@@ -177,6 +182,11 @@ class GenerationService:
         if limits is None:
             raise UnavailableError(f"no worker serving {self.model!r} is registered")
         return limits
+
+    async def model_info(self) -> ModelInfo:
+        """The served model's limits and the sampling defaults its requests get."""
+        limits = await self.served_limits("")
+        return dataclasses.replace(limits, sampling_defaults=tuple(sorted(self.sampling_defaults.items())))
 
     async def not_ready(self) -> str | None:
         """Why a generation sent now would not be served yet (draining, no worker registered or
@@ -359,8 +369,9 @@ class GenerationService:
             admitted = True
             if inp.resume_from_index is None:
                 self._tokens_per_key.charge(owner, len(prompt_ids))
-                log.info("request %s admitted: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids),
-                         params.max_tokens)
+                log.info("request %s admitted: %d prompt tokens, max_tokens %d, temperature %g, top_k %d, top_p %g, "
+                         "min_p %g", request_id, len(prompt_ids), params.max_tokens, params.temperature, params.top_k,
+                         params.top_p, params.min_p)
             else:
                 log.info("request %s resumed from output index %d", request_id, inp.resume_from_index)
             log.debug("request %s prompt: %r", request_id, inp.prompt)

@@ -26,7 +26,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._settings = settings or GatewayConfig()
 
     async def Generate(self, request, context):
-        inp = convert.generate_input_from_pb(request)
+        inp = convert.generate_input_from_pb(request, self._service.sampling_defaults)
         # aclosing: a cancelled call (client gone, deadline) closes the generator at once, which
         # aborts the request in Redis.
         # The request belongs to the API key that admitted this call (only it may resume it).
@@ -50,7 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return await asyncio.to_thread(convert.tokenize_response_to_pb, token_ids)
 
     async def ModelInfo(self, request, context):
-        return model_info_to_pb(await self._service.served_limits(""))
+        return model_info_to_pb(await self._service.model_info())
 
 
 def build_server(service: GenerationService, settings: GatewayConfig | None = None,

@@ -57,6 +57,7 @@ from servicekit.contract.errors import (
 )
 from servicekit.contract.prompt import check_text
 from servicekit.contract.step import FinishReason
+from servicekit.sampling_defaults import unset_filled
 from servicekit.serving import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -271,10 +272,16 @@ class OpenAIHttpApi:
     # -- generation -----------------------------------------------------------------------------------
 
     async def _completions(self, request: Request) -> Response:
-        return await self._generate(request, parse_completion(await _json(request)), chat=False)
+        return await self._generate(request, parse_completion(await self._body(request)), chat=False)
 
     async def _chat(self, request: Request) -> Response:
-        return await self._generate(request, parse_chat(await _json(request)), chat=True)
+        return await self._generate(request, parse_chat(await self._body(request)), chat=True)
+
+    async def _body(self, request: Request) -> object:
+        """The request's JSON, each sampling field it leaves unset (or null) given the served
+        model's default (--sampling-defaults); a field it sends, even at OpenAI's default, stays."""
+        body = await _json(request)
+        return unset_filled(body, self._service.sampling_defaults) if isinstance(body, dict) else body
 
     async def _generate(self, request: Request, req: OpenAIRequest, *, chat: bool) -> Response:
         limits = await self._served(req.model)
@@ -363,7 +370,9 @@ class OpenAIHttpApi:
 
     async def _card(self) -> dict:
         card = {"id": self._service.model, "object": "model", "created": 0, "owned_by": "pagedserve",
-                "root": self._service.model, "parent": None}
+                "root": self._service.model, "parent": None,
+                # what the sampling fields a request leaves unset take (--sampling-defaults)
+                "sampling_defaults": dict(self._service.sampling_defaults)}
         try:
             card["max_model_len"] = (await self._service.served_limits("")).max_model_len
         except UnavailableError:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from gateway_service.config import GatewayConfig
-from servicekit import redis_client
+from servicekit import redis_client, sampling_defaults
 from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
 from servicekit.contract.errors import UnavailableError
 from servicekit.flags import service_parser, settings_kwargs
@@ -62,6 +62,9 @@ class GatewayApp:
         if self._hf_tokenizer is None:
             self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
+        defaults, origin = await asyncio.to_thread(_sampling_defaults, s)
+        log.info("sampling defaults for requests that leave them unset: %s (%s)",
+                 ", ".join(f"{k}={v:g}" for k, v in defaults.items()) or "OpenAI's (temperature=1, no filter)", origin)
         self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
         self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,
                                     outage_s=s.redis_outage_s)
@@ -77,7 +80,7 @@ class GatewayApp:
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
                                          max_buffered_outputs=s.max_buffered_outputs, metrics=metrics,
-                                         tool_parser=s.tool_call_parser)
+                                         tool_parser=s.tool_call_parser, sampling_defaults=defaults)
         metrics.streams.set_function(lambda: self.service.in_flight)
         self.lifecycle = build_server(self.service, s, api_keys, registry)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)
@@ -141,6 +144,18 @@ class GatewayApp:
             await self._limits.stop()
         if self._owns_redis and self._redis is not None:
             await self._redis.aclose()
+
+
+def _sampling_defaults(s: GatewayConfig) -> tuple[dict[str, float], str]:
+    """``--sampling-defaults`` for the served model; a name that is no local model (a test's, a Hub
+    id not yet downloaded) has none of its own."""
+    from servicekit.model_registry import ModelNotFoundError, resolve_model
+
+    try:
+        source = resolve_model(s.model)
+    except ModelNotFoundError:
+        return sampling_defaults.resolve(s.sampling_defaults, None)
+    return sampling_defaults.resolve(s.sampling_defaults, source)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:

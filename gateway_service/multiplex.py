@@ -172,7 +172,8 @@ class GenerateManyCall:
         try:
             async with deadline:
                 timeout = None if deadline_at is None else max(1e-3, deadline_at - asyncio.get_running_loop().time())
-                await self._service.generate_to(convert.generate_input_from_pb(request), self._emitter(sid),
+                await self._service.generate_to(convert.generate_input_from_pb(request, self._service.sampling_defaults),
+                                                self._emitter(sid),
                                                 timeout_s=timeout, owner=self._owner)
         except asyncio.CancelledError:
             pass  # cancelled by its client, or the call ends: nobody waits for an event

@@ -52,7 +52,7 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, env) -> None:
     add_flag(parser, env, "api-key", default="", secret=True, help="API key of the gateway (prefer the env var)")
     _add_tls_flags(parser, env)
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the served model's, as /v1/models shows)")
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--min-p", type=float, default=None)

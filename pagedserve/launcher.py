@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway_service.config import GatewayPorts
+from gateway_service.config import GatewayPorts, SamplingDefaultsConfig
 from servicekit import redis_client
 from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.settings import setting
@@ -81,7 +81,7 @@ class Child:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StackConfig(ServerConfig, GatewayPorts, RedisConfig, SchedulingConfig, ModelRunnerConfig):
+class StackConfig(ServerConfig, GatewayPorts, SamplingDefaultsConfig, RedisConfig, SchedulingConfig, ModelRunnerConfig):
     """What ``pagedserve serve`` starts; each field is a flag of it. The model runner's and the
     scheduling fields are the worker's and the scheduler's own (one declaration each), handed on to
     them, so ``pagedserve serve`` and ``LLM`` batch alike for the same settings. ``host`` is the
@@ -98,6 +98,7 @@ class StackConfig(ServerConfig, GatewayPorts, RedisConfig, SchedulingConfig, Mod
 
     def __post_init__(self) -> None:
         ModelRunnerConfig.__post_init__(self)  # every field's range, the model and its KV-cache size
+        SamplingDefaultsConfig.__post_init__(self)
         redis_client.validate(self)
 
 
@@ -158,7 +159,8 @@ class Stack:
         # The gateway needs only Redis: it loads its tokenizer while the worker loads the model. The
         # scheduler starts once the worker serves, so its first connection finds it.
         gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port),
-                                            "--http-port", str(o.http_port), *redis],
+                                            "--http-port", str(o.http_port),
+                                            *settings_argv(o, SamplingDefaultsConfig), *redis],
                                 o.port)
         self._wait_serving(worker)
         scheduler = self._service("scheduler", [*scheduler_flags(o), *redis], o.scheduler_port)

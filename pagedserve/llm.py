@@ -21,12 +21,14 @@ from typing import Any, Union
 from gateway_service.text import OutputText, PromptTokenizer, load_tokenizer
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
+from servicekit import sampling_defaults
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import check_allowed_token_ids, check_prompt, check_text, token_id_list
 from servicekit.grammar import check_sampling
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.step import FinishReason, TokenLogprobs
+from servicekit.model_registry import ModelNotFoundError, resolve_model
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -156,6 +158,17 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
         self._prompts = None if self.tokenizer is None else PromptTokenizer(self.tokenizer)
         self._ids = itertools.count()
+        try:
+            source = resolve_model(model)
+        except ModelNotFoundError:
+            source = None
+        self._sampling_defaults, _ = sampling_defaults.resolve(sampling_defaults.AUTO, source)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no ``sampling_params``: the model's own
+        sampling defaults (its generation_config.json or GGUF metadata, else pagedserve's for its
+        short names), as a gateway's ``--sampling-defaults auto`` gives them; vLLM's method."""
+        return SamplingParams(**sampling_defaults.unset_filled({}, self._sampling_defaults))
 
     @property
     def info(self):  # WorkerDescription of the model runner
@@ -171,7 +184,7 @@ class LLM:
         """One :class:`RequestOutput` per prompt, in prompt order.
 
         ``prompts``: a string, a list of token ids, or a list of either. ``sampling_params``: one for
-        all prompts or one per prompt (default ``SamplingParams()``). Invalid input raises
+        all prompts or one per prompt (default :meth:`get_default_sampling_params`). Invalid input raises
         ``InvalidArgumentError`` naming the field before any request runs.
         """
         if isinstance(prompts, str) or (
@@ -224,7 +237,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool | None) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(token_lists)
         else:

@@ -19,6 +19,7 @@ from helpers.stack import (  # noqa: E402, F401  (fixtures for every folder; aft
     hf_tokenizer,
     llm,
     redis_server,
+    smollm2,
     stack,
     tiny_model_dir,
 )

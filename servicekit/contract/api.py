@@ -19,6 +19,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     num_workers: int
     block_size: int
+    # (field, value) a sampling field a request leaves unset takes (the gateway's --sampling-defaults)
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

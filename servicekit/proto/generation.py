@@ -87,9 +87,11 @@ def usage_from_pb(msg: generation_pb2.Usage) -> Usage:
 def model_info_to_pb(info: ModelInfo) -> generation_pb2.ModelInfoResponse:
     return generation_pb2.ModelInfoResponse(
         model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_ids=list(info.eos_token_ids), num_workers=info.num_workers, block_size=info.block_size)
+        eos_token_ids=list(info.eos_token_ids), num_workers=info.num_workers, block_size=info.block_size,
+        sampling_defaults=dict(info.sampling_defaults))
 
 
 def model_info_from_pb(msg: generation_pb2.ModelInfoResponse) -> ModelInfo:
     return ModelInfo(model=msg.model, max_model_len=msg.max_model_len, vocab_size=msg.vocab_size,
-                     eos_token_ids=tuple(msg.eos_token_ids), num_workers=msg.num_workers, block_size=msg.block_size)
+                     eos_token_ids=tuple(msg.eos_token_ids), num_workers=msg.num_workers, block_size=msg.block_size,
+                     sampling_defaults=tuple(sorted(msg.sampling_defaults.items())))

@@ -1,5 +1,5 @@
-"""Models for engine tests: tiny random ones saved once per session, and SmolLM2-135M (loaded once,
-only by tests marked ``model``)."""
+"""Models for engine tests: tiny random ones saved once per session (SmolLM2-135M, ``smollm2``,
+is every folder's: ``helpers/stack.py``)."""
 
 from __future__ import annotations
 
@@ -31,26 +31,3 @@ def tiny_llama(tmp_path_factory) -> SavedModel:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> SavedModel:
     return _save(tmp_path_factory, "qwen2")
-
-
-@dataclass
-class SmolLM2:
-    hf: Any  # transformers model (float32, dequantized from the GGUF)
-    tokenizer: Any
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> SmolLM2:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from servicekit.gguf_cache import hf_folder
-    from servicekit.model_registry import ModelNotFoundError, resolve_model
-
-    try:
-        source = resolve_model("smollm2-135m")
-    except ModelNotFoundError as e:
-        pytest.skip(str(e))
-    # the GGUF file's converted copy (the model cache), as the engine and the gateway load it
-    hf = AutoModelForCausalLM.from_pretrained(hf_folder(source, weights=True).path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(hf_folder(source, weights=False).path)
-    return SmolLM2(hf, tokenizer)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -124,6 +125,31 @@ def tiny_model_dir(tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@dataclasses.dataclass
+class SmolLM2:
+    """SmolLM2-135M-Instruct (loaded once, only by tests marked ``model``)."""
+
+    hf: Any  # transformers model (float32, dequantized from the GGUF)
+    tokenizer: Any
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> SmolLM2:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from servicekit.gguf_cache import hf_folder
+    from servicekit.model_registry import ModelNotFoundError, resolve_model
+
+    try:
+        source = resolve_model("smollm2-135m")
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    # the GGUF file's converted copy (the model cache), as the engine and the gateway load it
+    hf = AutoModelForCausalLM.from_pretrained(hf_folder(source, weights=True).path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_folder(source, weights=False).path)
+    return SmolLM2(hf, tokenizer)
 
 
 @pytest.fixture(scope="session")
