@@ -239,6 +239,7 @@ class OpenAIHttpApi:
             # liveness: 200 while the process answers (draining, or no worker yet, included)
             Route("/health", self._endpoint(self._health, open_route=True), methods=["GET"]),
             Route("/livez", self._endpoint(self._live, open_route=True), methods=["GET"]),
+            Route("/readyz", self._endpoint(self._health, open_route=True), methods=["GET"]),  # Kubernetes' name
             # vLLM's names for the readiness probe (``/ping``: SageMaker's) and its version route
             Route("/ping", self._endpoint(self._health, open_route=True), methods=["GET", "POST"]),
             Route("/version", self._endpoint(self._version, open_route=True), methods=["GET"]),

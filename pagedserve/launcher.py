@@ -257,8 +257,10 @@ def serve(options: StackConfig) -> int:
     stack = Stack(options, should_stop=lambda: bool(stop_requested))
     status = 0
     try:
+        started = time.monotonic()
         address = stack.start()
-        print(f"\npagedserve is serving {options.model} at {address}\n"
+        print(f"\npagedserve is serving {options.model} at {address} (started in "
+              f"{time.monotonic() - started:.1f} s: a one-token generation was answered)\n"
               f"  try:  pagedserve generate \"The capital of France is\" --address {address} --stream\n"
               f"        python -c \"from pagedserve.client import Client; "
               f"print(Client('{address}').generate('Hello', max_tokens=32).text)\"\n"

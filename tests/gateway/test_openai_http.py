@@ -526,7 +526,7 @@ def get(port: int, path: str) -> tuple[int, str]:
 
 
 async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_tokenizer):
-    """/health (and /ping) is readiness: 503 naming what is missing while no worker of the model is
+    """/health (and /ping, /readyz) is readiness: 503 naming what is missing while no worker of the model is
     registered, or one is but no scheduler drives it; 200 on the serving stack. /livez is 200 all
     along (the process answers)."""
     from gateway_service.config import GatewayConfig
@@ -542,11 +542,12 @@ async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_to
     finally:
         await alone.drain(1)
     async with queue_limited_gateway(stack, hf_tokenizer, "health-undriven:", 2) as (gateway, _redis, _keys):
-        for path in ("/health", "/ping"):
+        for path in ("/health", "/ping", "/readyz"):
             status, said = await asyncio.to_thread(get, gateway.http_port, path)
             assert status == 503 and "no scheduler drives" in said, said
         assert (await asyncio.to_thread(get, gateway.http_port, "/livez"))[0] == 200
     assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
+    assert (await asyncio.to_thread(http, stack, "GET", "/readyz"))[0] == 200
 
 
 async def test_echo_and_cache_salt_are_applied(stack):

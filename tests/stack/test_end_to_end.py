@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def test_sigint_stops_every_process_cleanly(served):
     for service in ("gateway", "scheduler", "worker"):
         assert f"{service} stopped" in text
     assert "pagedserve serve: stopped" in text
+    assert re.search(r"is serving \S+ at \S+ \(started in \d+\.\d s", text)  # how long the start took
 
 
 def _started_by(launcher_pid: int, redis_port: int) -> list[int]:
