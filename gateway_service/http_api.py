@@ -1,5 +1,6 @@
 """The gateway's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (whole
-or as server-sent events), ``/v1/models``, ``/health`` (readiness, also as ``/ping``), ``/livez``
+or as server-sent events), Anthropic's ``/v1/messages`` (and its ``count_tokens``;
+:mod:`gateway_service.anthropic_messages`), ``/v1/models``, ``/health`` (readiness, also as ``/ping``), ``/livez``
 (liveness), ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``.
 
 A thin layer like the gRPC servicer: JSON → :mod:`gateway_service.openai_params` → the one
@@ -34,6 +35,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway_service.anthropic_messages import MessageEvents, message_events, message_json, parse_count_tokens
+from gateway_service.anthropic_messages import error_body as anthropic_error_body
+from gateway_service.anthropic_messages import error_json as anthropic_error_json
+from gateway_service.anthropic_messages import parse_message
 from gateway_service.generation import GenerationService
 from gateway_service.messages import GenerateChunk, GenerateInput
 from gateway_service.openai_params import (
@@ -71,10 +76,13 @@ MAX_JSON_DEPTH = 64
 
 def check_request(request: Request, keys: KeyStore, *, open_route: bool = False) -> str:
     """The one place a request's headers are checked, before its body is read: the API key
-    (``Authorization: Bearer``; the same keys as gRPC, UnauthenticatedError -> 401) unless the
-    route is open, then a declared body over :data:`MAX_BODY_BYTES` is refused without reading it.
+    (``Authorization: Bearer``, or Anthropic's ``x-api-key``; the same keys as gRPC,
+    UnauthenticatedError -> 401) unless the route is open, then a declared body over
+    :data:`MAX_BODY_BYTES` is refused without reading it.
     Returns the caller's key digest ("" without keys): the owner of the requests it admits."""
-    owner = "" if open_route else keys.check(request.headers.get("authorization"))
+    api_key = request.headers.get("x-api-key")  # Anthropic's clients send the key so
+    authorization = request.headers.get("authorization") or (f"Bearer {api_key}" if api_key else None)
+    owner = "" if open_route else keys.check(authorization)
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
         raise InvalidArgumentError("body", f"larger than {MAX_BODY_BYTES} bytes")
@@ -86,11 +94,19 @@ def _error(exc: PagedServeError) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+def _anthropic_error(exc: PagedServeError) -> JSONResponse:
+    status, body = anthropic_error_body(exc)
+    return JSONResponse(body, status_code=status)
+
+
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own refusals (no such route: 404, a route's wrong method: 405) in OpenAI's error
     shape, like every other error here, so a client parses one shape."""
     kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
     message = f"{request.method} {request.url.path}: {exc.detail}"
+    if request.url.path.startswith("/v1/messages"):  # Anthropic's routes answer in its shape
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(anthropic_error_json(kind, message), status_code=exc.status_code, headers=exc.headers)
     return JSONResponse(error_json(exc.status_code, kind, message), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -231,6 +247,9 @@ class OpenAIHttpApi:
         self.app = Starlette(routes=[
             Route("/v1/completions", self._endpoint(self._completions), methods=["POST"]),
             Route("/v1/chat/completions", self._endpoint(self._chat), methods=["POST"]),
+            Route("/v1/messages", self._endpoint(self._messages, errors=_anthropic_error), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._endpoint(self._count_tokens, errors=_anthropic_error),
+                  methods=["POST"]),
             Route("/v1/models", self._endpoint(self._models), methods=["GET"]),
             Route("/v1/models/{model:path}", self._endpoint(self._model), methods=["GET"]),
             Route("/tokenize", self._endpoint(self._tokenize), methods=["POST"]),
@@ -246,18 +265,19 @@ class OpenAIHttpApi:
             Route("/metrics", self._endpoint(self._metrics, open_route=not guard_metrics), methods=["GET"]),
         ], exception_handlers={HTTPException: _http_error})
 
-    def _endpoint(self, handler, *, open_route: bool = False):
+    def _endpoint(self, handler, *, open_route: bool = False, errors=_error):
+        """``handler`` behind :func:`check_request`; ``errors`` shapes its errors (OpenAI's by default)."""
         async def endpoint(request: Request) -> Response:
             try:
                 request.state.owner = check_request(request, self._keys, open_route=open_route)
                 return await handler(request)
             except PagedServeError as exc:
-                return _error(exc)
+                return errors(exc)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.exception("unexpected error in %s", request.url.path)
-                return _error(InternalError(f"internal error: {type(exc).__name__}"))
+                return errors(InternalError(f"internal error: {type(exc).__name__}"))
         return endpoint
 
     async def _served(self, model: str) -> ModelInfo:
@@ -355,6 +375,35 @@ class OpenAIHttpApi:
             else:
                 choices[index].add(payload)
             item = await queue.get()
+
+    # -- Anthropic's Messages API (gateway_service.anthropic_messages) ---------------------------------
+
+    async def _messages(self, request: Request) -> Response:
+        """One message, whole or streamed, through the same pump as a chat choice."""
+        req = parse_message(await _json(request), self._service.sampling_defaults)
+        await self._served(req.model)
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(0, req.input, queue, request.state.owner, req))]
+        try:
+            first = await _until_disconnect(request, asyncio.create_task(queue.get()))
+            if isinstance(first[1], PagedServeError):  # refused at admission: an HTTP error, not a 200 stream
+                return _anthropic_error(first[1])
+            if req.stream:
+                events = message_events(first, queue, MessageEvents(req.message_id, self._service.model), tasks)
+                tasks = []  # the stream owns them now
+                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            choice = ChoiceState(0)
+            error = await _until_disconnect(request, asyncio.create_task(self._collect(first, queue, 1, [choice])))
+            return _anthropic_error(error) if error is not None else JSONResponse(
+                message_json(req.message_id, self._service.model, choice))
+        finally:
+            await cancel_and_wait(tasks)
+
+    async def _count_tokens(self, request: Request) -> Response:
+        """The prompt tokens of the chat a message with this body would send (as its usage counts them)."""
+        model, inp = parse_count_tokens(await _json(request))
+        limits = await self._served(model)
+        return JSONResponse({"input_tokens": len(await self._service.prompt_ids(inp, limits))})
 
     # -- the rest -------------------------------------------------------------------------------------
 
