@@ -58,6 +58,11 @@ class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, SamplingDefaultsCon
         2048, minimum=0, help="requests one OpenAI HTTP call may ask for (prompts x n); more is a 400 before any prompt is "
                    "tokenized (0: no limit)")
     registry_refresh_s: float = setting(2.0, above=0, help="worker registry re-read period")
+    worker_wait_s: float = setting(
+        0.0, minimum=0, help="scale from zero: while no worker of the model is registered, admit requests anyway and let "
+                             "each wait in the queue this long for one (its deadline if sooner), then fail it with "
+                             "UNAVAILABLE; the model's limits come from the last worker seen (kept in Redis), else its "
+                             "config. 0: refuse at once with UNAVAILABLE")
     read_block_ms: int = setting(1000, minimum=1, help="longest blocking XREAD of the output fan-out loop")
     redis_outage_s: float = setting(10.0, above=0, help="live streams fail with UNAVAILABLE (the SDK resumes them) after "
                                                "this long without Redis")

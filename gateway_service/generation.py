@@ -135,8 +135,10 @@ class GenerationService:
                  tokens_per_key: TokenRateLimits | None = None, max_buffered_outputs: int = 0,
                  metrics: GatewayMetrics | None = None,
                  structured_output_limits: tuple[int, float] = (MAX_SPEC_BYTES, CHECK_TIMEOUT_S),
-                 tool_parser: str = DEFAULT_PARSER, sampling_defaults: dict[str, float] | None = None) -> None:
+                 tool_parser: str = DEFAULT_PARSER, sampling_defaults: dict[str, float] | None = None,
+                 worker_wait_s: float = 0.0) -> None:
         self.sampling_defaults = dict(sampling_defaults or {})
+        self._worker_wait_s = worker_wait_s
         self._structured_limits = structured_output_limits
         self._tool_parser = tool_parser
         self._tokens_per_key = tokens_per_key or TokenRateLimits(0)
@@ -179,7 +181,7 @@ class GenerationService:
         if model and model != self.model:
             raise InvalidArgumentError("model", f"unknown model {model!r}; this gateway serves {self.model!r}")
         limits = await self._limits.get()
-        if limits is None:
+        if limits is None or (not limits.num_workers and not self._worker_wait_s):
             raise UnavailableError(f"no worker serving {self.model!r} is registered")
         return limits
 
@@ -348,6 +350,7 @@ class GenerationService:
                                      live=inp.resume_from_index is None)
         admitted = False  # counted among the request's readers in Redis
         reading = None
+        watch = None
         try:
             try:
                 if inp.resume_from_index is not None:
@@ -382,8 +385,12 @@ class GenerationService:
             reading = _Reading(request_id, sub, assembler, owner, self._tokens_per_key,
                                self._metrics.start() if self._metrics is not None else None,
                                None if inp.tools is None else ToolCallReader(inp.tools, request_id, self._tool_parser))
+            if not limits.num_workers and inp.resume_from_index is None:  # scale from zero: wait for one
+                watch = asyncio.create_task(self._await_worker(request_id, sub, deadline))
             yield reading
         finally:
+            if watch is not None:
+                watch.cancel()
             self._fanout.unsubscribe(sub)
             if admitted:
                 finished = reading is not None and reading.finished
@@ -394,6 +401,23 @@ class GenerationService:
                 self._in_background(self._leave(request_id, abort=not finished))
             self._exit()
             self._per_key.release(owner)
+
+    async def _await_worker(self, request_id: str, sub: Subscription, deadline: float) -> None:
+        """A request admitted while no worker of the model was registered waits in the queue for
+        one up to ``--worker-wait-s`` (its deadline if sooner); none came: it is aborted and its
+        call ends UNAVAILABLE. One that came takes it from the queue as any other."""
+        end = time.time() + self._worker_wait_s
+        if deadline:
+            end = min(end, deadline)
+        while time.time() < end:
+            await asyncio.sleep(min(self._limits.refresh_s, max(0.0, end - time.time())))
+            if self._limits.num_workers:
+                return
+        log.warning("request %s: no worker of %r came within %.0f s of its admission; aborting it", request_id,
+                    self.model, self._worker_wait_s)
+        await self._abort(request_id)
+        sub.fail(UnavailableError(f"no worker serving {self.model!r} came within {self._worker_wait_s:g} s "
+                                  "(--worker-wait-s); the request was withdrawn from the queue"))
 
     async def _landed(self, request_id: str, admission) -> None:
         """Await ``admission`` (an admit or a join in Redis). Cancelled meanwhile — the call's deadline

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,7 @@ class GatewayApp:
         from gateway_service.generation import GenerationService
         from gateway_service.grpc_server import build_server
         from gateway_service.metrics import GatewayMetrics
-        from gateway_service.model_limits import ModelLimitsView
+        from gateway_service.model_limits import ModelLimitsView, config_limits
         from gateway_service.output_fanout import OutputFanout
         from gateway_service.admission import Admission
         from gateway_service.text import PromptTokenizer, load_tokenizer
@@ -65,7 +66,8 @@ class GatewayApp:
         defaults, origin = await asyncio.to_thread(_sampling_defaults, s)
         log.info("sampling defaults for requests that leave them unset: %s (%s)",
                  ", ".join(f"{k}={v:g}" for k, v in defaults.items()) or "OpenAI's (temperature=1, no filter)", origin)
-        self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s)
+        fallback = functools.cache(lambda: config_limits(s.model, self._hf_tokenizer))  # read once, if ever needed
+        self._limits = ModelLimitsView(self._redis, keys, s.model, refresh_s=s.registry_refresh_s, fallback=fallback)
         self._fanout = OutputFanout(self._redis, keys, s.gateway_id, block_ms=s.read_block_ms,
                                     outage_s=s.redis_outage_s)
         admission = Admission(self._redis, keys, max_queued=s.max_queued_requests, output_ttl_s=s.output_ttl_s,
@@ -80,7 +82,8 @@ class GatewayApp:
                                          per_key=ConcurrencyLimits(s.max_requests_per_key),
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
                                          max_buffered_outputs=s.max_buffered_outputs, metrics=metrics,
-                                         tool_parser=s.tool_call_parser, sampling_defaults=defaults)
+                                         tool_parser=s.tool_call_parser, sampling_defaults=defaults,
+                                         worker_wait_s=s.worker_wait_s)
         metrics.streams.set_function(lambda: self.service.in_flight)
         self.lifecycle = build_server(self.service, s, api_keys, registry)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)

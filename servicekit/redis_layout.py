@@ -27,6 +27,7 @@ OWNER_FIELD = "owner"
 WAKE_FIELD = "w"  # a wake stream entry's one field (its value does not matter)
 # Dead-letter entries, beside REQUEST_ID_FIELD and DATA_FIELD.
 REASON_FIELD = "reason"
+MODEL_LIMITS_TTL_S = 30 * 24 * 3600  # a model's last-seen limits outlive a month without workers
 DELIVERIES_FIELD = "deliveries"
 CONSUMER_FIELD = "consumer"
 # A live stream entry has one field per record: "{output stream}{LIVE_SEPARATOR}{entry id there}".
@@ -72,6 +73,12 @@ class RedisKeys:
         """String holding the consumer name of the one scheduler that drives this worker (SET NX PX,
         renewed by its holder; expires when the holder stops renewing)."""
         return f"{self.prefix}lease:{worker_id}"
+
+    def model_limits(self, model: str) -> str:
+        """String: the model's limits (JSON) as its workers last registered them, written by the
+        gateways that saw them; what a gateway admits by while none is registered (scale from
+        zero). Expires :data:`MODEL_LIMITS_TTL_S` after the last worker was seen."""
+        return f"{self.prefix}model-limits:{model}"
 
     def scheduler(self, consumer: str) -> str:
         """Hash describing one live scheduler (expires unless its heartbeat refreshes it)."""
