@@ -197,6 +197,17 @@ class GenerationService:
             return "the gateway is draining"
         return await self._limits.not_ready()
 
+    async def readiness(self) -> tuple[bool, str]:
+        """(ready, what is missing): ready when a request sent now is admitted and served — at
+        once (nothing missing), or, with ``--worker-wait-s``, once a worker comes (scale from zero:
+        the model's limits are known, the request waits in the queue)."""
+        reason = await self.not_ready()
+        if reason is None:
+            return True, ""
+        if not self.draining and self._worker_wait_s and self._limits.current is not None:
+            return True, f"{reason}; requests wait up to {self._worker_wait_s:g} s for one (--worker-wait-s)"
+        return False, reason
+
     async def tokenize(self, text: str | None, messages: list[dict[str, str]] | None, limits: ModelInfo,
                        *, text_field: str = "text", add_special_tokens: bool = True,
                        add_generation_prompt: bool = True, continue_final_message: bool = False,

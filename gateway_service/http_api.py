@@ -445,11 +445,12 @@ class OpenAIHttpApi:
 
     async def _health(self, request: Request) -> Response:
         """Ready: a completion sent now is served (not draining, a worker of the model registered
-        and driven by a scheduler); else 503 saying what is missing."""
-        reason = await self._service.not_ready()
-        if reason is not None:
-            raise UnavailableError(reason)
-        return Response(status_code=200)
+        and driven by a scheduler), or with ``--worker-wait-s`` waits for one; else 503 saying
+        what is missing. The 200's body says whether a worker serves now."""
+        ready, missing = await self._service.readiness()
+        if not ready:
+            raise UnavailableError(missing)
+        return JSONResponse({"ready": True, "serving": not missing, "detail": missing or "a worker serves the model"})
 
     async def _live(self, request: Request) -> Response:
         return Response(status_code=200)

@@ -546,8 +546,19 @@ async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_to
             status, said = await asyncio.to_thread(get, gateway.http_port, path)
             assert status == 503 and "no scheduler drives" in said, said
         assert (await asyncio.to_thread(get, gateway.http_port, "/livez"))[0] == 200
-    assert (await asyncio.to_thread(http, stack, "GET", "/health"))[0] == 200
+    status, said = await asyncio.to_thread(http, stack, "GET", "/health")
+    assert status == 200 and said["serving"] is True, said
     assert (await asyncio.to_thread(http, stack, "GET", "/readyz"))[0] == 200
+    # scale from zero: a gateway that lets requests wait for a worker is ready without one, and says so
+    waiting = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
+                                       key_prefix="health-zero:", worker_wait_s=30), hf_tokenizer=hf_tokenizer)
+    await waiting.start()
+    try:
+        status, said = await asyncio.to_thread(get, waiting.http_port, "/health")
+        said = json.loads(said)
+        assert status == 200 and said["serving"] is False and "wait up to 30 s" in said["detail"], said
+    finally:
+        await waiting.drain(1)
 
 
 async def test_echo_and_cache_salt_are_applied(stack):
