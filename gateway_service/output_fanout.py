@@ -31,7 +31,7 @@ import logging
 from redis.exceptions import RedisError
 
 from servicekit.contract.errors import ResourceExhaustedError, UnavailableError
-from servicekit.redis_layout import DATA_FIELD, LIVE_SEPARATOR, RedisKeys
+from servicekit.redis_layout import DATA_FIELD, LIVE_SEPARATOR, WAKE_FIELD, RedisKeys
 from servicekit.serving import cancel_and_wait, cancel_requested
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,15 @@ class OutputFanout:
         sub = Subscription(key, max_pending=max_pending, on_overflow=on_overflow, live=live)
         self._subs.setdefault(key.encode(), []).append(sub)
         return sub
+
+    async def wake(self) -> None:
+        """Restart a blocked XREAD so that it reads a key just subscribed (what the admission and
+        join scripts do for an output stream; a reader of another stream, such as a stored
+        response's event log, calls this after :meth:`subscribe`)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(self.wake_key, {WAKE_FIELD: "1"}, maxlen=WAKE_MAXLEN, approximate=True)
+        pipe.expire(self.wake_key, WAKE_TTL_S)
+        await pipe.execute()
 
     def unsubscribe(self, sub: Subscription) -> None:
         """Stop delivering to ``sub`` only; other readers of the same stream go on."""

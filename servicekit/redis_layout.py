@@ -106,6 +106,29 @@ class RedisKeys:
         it streams. Trimmed by the gateway as it reads; expires after its last entry."""
         return f"{self.prefix}gw:{gateway_id}:live"
 
+    # A stored response of the Responses API (gateway_service.response_store): all four keys expire
+    # after the gateway's --response-ttl-s (the lease after its own few seconds).
+
+    def response(self, response_id: str) -> str:
+        """String: the response object as JSON, as created and then as finished."""
+        return f"{self.prefix}resp:{response_id}"
+
+    def response_meta(self, response_id: str) -> str:
+        """Hash of what any gateway needs to serve the response: the owner's key digest, the
+        request id, the request as the chat path takes it, the input and conversation items, and
+        ``cancelled`` once a cancel was asked."""
+        return f"{self.prefix}resp:{response_id}:meta"
+
+    def response_events(self, response_id: str) -> str:
+        """Stream of the response's events (``DATA_FIELD``: one event as JSON), entry id
+        ``0-{sequence_number + 1}``: the one log every reader replays, written by its producer."""
+        return f"{self.prefix}resp:{response_id}:events"
+
+    def response_lease(self, response_id: str) -> str:
+        """String naming the one gateway producing the response's events (SET NX PX, renewed; a
+        reader that finds it gone takes the production over)."""
+        return f"{self.prefix}resp:{response_id}:lease"
+
 
 async def ensure_request_group(redis, keys: RedisKeys) -> None:
     """Create the request stream and its consumer group if missing (idempotent; gateways and
