@@ -104,6 +104,10 @@ class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, SamplingDefaultsCon
     reflection: bool = setting(True, help="serve gRPC reflection (open to all: it lists the methods)")
     max_message_bytes: int = setting(16 * 1024 * 1024, minimum=1, help="largest gRPC message received or sent")
     max_concurrent_streams: int = setting(256, minimum=1, help="concurrent calls one client connection may have open")
+    response_ttl_s: int = setting(
+        86400, minimum=1, help="stored Responses API responses (/v1/responses, store: true) are kept in Redis this many "
+                               "seconds after their last change: retrieval, previous_response_id, input_items and "
+                               "resumed event streams work on every gateway within it")
     max_buffered_outputs: int = setting(
         4096, minimum=1, help="output records one Generate stream may have waiting for its client; a client that reads slower "
                    "than that is cut off with RESOURCE_EXHAUSTED and its request aborted (bounds gateway memory)")

@@ -287,14 +287,15 @@ class GenerationService:
 
     # -- Generate -------------------------------------------------------------------------------------
 
-    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None,
-                       owner: str = "") -> AsyncIterator[GenerateChunk]:
+    async def generate(self, inp: GenerateInput, *, timeout_s: float | None = None, owner: str = "",
+                       on_admitted: Callable[[], None] | None = None) -> AsyncIterator[GenerateChunk]:
         """Admit the request (or, resuming, join it as one more reader after checking the input
         matches) and yield its chunks; the last has ``finish_reason`` and ``usage``. Closing the
         iterator early (client gone, deadline) aborts the request when no other call reads it.
         ``owner``: the digest of the caller's API key; the request belongs to it, and only the
-        same key may resume it (``""``: no keys configured)."""
-        async with self._reading(inp, timeout_s, owner) as reading:
+        same key may resume it (``""``: no keys configured). ``on_admitted`` is called once the
+        request is admitted (or joined), before its first chunk: every refusal came before it."""
+        async with self._reading(inp, timeout_s, owner, on_admitted) as reading:
             while not reading.assembler.done:
                 chunk = reading.take(await reading.next_records())
                 if chunk is not None:
@@ -333,7 +334,8 @@ class GenerationService:
             await done
 
     @asynccontextmanager
-    async def _reading(self, inp: GenerateInput, timeout_s: float | None, owner: str):
+    async def _reading(self, inp: GenerateInput, timeout_s: float | None, owner: str,
+                       on_admitted: Callable[[], None] | None = None):
         """Admit (or join) the request, yield its :class:`_Reading`, and on the way out leave it:
         aborting it when it did not finish and no other call reads it."""
         if self.draining:
@@ -398,6 +400,8 @@ class GenerationService:
                                None if inp.tools is None else ToolCallReader(inp.tools, request_id, self._tool_parser))
             if not limits.num_workers and inp.resume_from_index is None:  # scale from zero: wait for one
                 watch = asyncio.create_task(self._await_worker(request_id, sub, deadline))
+            if on_admitted is not None:
+                on_admitted()
             yield reading
         finally:
             if watch is not None:

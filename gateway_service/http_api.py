@@ -1,7 +1,8 @@
 """The gateway's OpenAI-compatible HTTP API: ``/v1/completions``, ``/v1/chat/completions`` (whole
 or as server-sent events), Anthropic's ``/v1/messages`` (and its ``count_tokens``;
 :mod:`gateway_service.anthropic_messages`), ``/v1/models``, ``/health`` (readiness, also as ``/ping``), ``/livez``
-(liveness), ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``.
+(liveness), ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics``, and OpenAI's Responses API
+(``/v1/responses``: :mod:`gateway_service.responses_api`).
 
 A thin layer like the gRPC servicer: JSON → :mod:`gateway_service.openai_params` → the one
 :meth:`GenerationService.generate` path (admission, queue limit, detokenization, stop strings, abort
@@ -235,10 +236,11 @@ def _delta(choice: ChoiceState, chunk: GenerateChunk, responder: Responder) -> d
 class OpenAIHttpApi:
     """The routes, over one :class:`GenerationService`; ``registry`` is what ``/metrics`` shows.
     ``max_choices`` (0: no limit): the most requests one call may ask for (prompts × n), so one call
-    cannot make the gateway tokenize and admit without bound (``--max-requests-per-call``)."""
+    cannot make the gateway tokenize and admit without bound (``--max-requests-per-call``).
+    ``responses``: the Responses API's routes (:class:`gateway_service.responses_api.ResponsesApi`)."""
 
     def __init__(self, service: GenerationService, registry: CollectorRegistry, *, keys: KeyStore | None = None,
-                 guard_metrics: bool = False, max_choices: int = 0) -> None:
+                 guard_metrics: bool = False, max_choices: int = 0, responses=None) -> None:
         self._service = service
         self._max_choices = max_choices
         self._registry = registry
@@ -263,6 +265,8 @@ class OpenAIHttpApi:
             Route("/ping", self._endpoint(self._health, open_route=True), methods=["GET", "POST"]),
             Route("/version", self._endpoint(self._version, open_route=True), methods=["GET"]),
             Route("/metrics", self._endpoint(self._metrics, open_route=not guard_metrics), methods=["GET"]),
+            # OpenAI's Responses API (gateway_service.responses_api)
+            *(responses.routes(self._endpoint) if responses is not None else ()),
         ], exception_handlers={HTTPException: _http_error})
 
     def _endpoint(self, handler, *, open_route: bool = False, errors=_error):

@@ -39,6 +39,7 @@ class GatewayApp:
         self._limits = None
         self._fanout = None
         self._http = None
+        self._responses = None
         self.port = 0
         self.http_port = -1  # -1: no HTTP API
 
@@ -91,9 +92,14 @@ class GatewayApp:
             # Same event loop as gRPC: an HTTP call runs the very coroutines a Generate call runs,
             # behind the same API keys.
             from gateway_service.http_api import OpenAIHttpApi
+            from gateway_service.response_store import ResponseStore
+            from gateway_service.responses_api import ResponsesApi
             from servicekit.http_server import HttpServer
 
-            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_requests_per_call)
+            self._responses = ResponsesApi(self.service, ResponseStore(self._redis, keys, ttl_s=s.response_ttl_s),
+                                           self._fanout, admission, s.gateway_id)
+            api = OpenAIHttpApi(self.service, registry, keys=api_keys, max_choices=s.max_requests_per_call,
+                                responses=self._responses)
             self._http = HttpServer(api.app, name="gateway", tls=s.tls)
             self.http_port = self._http.bind(s.http_host or s.host, s.http_port)
         self._limits.start()
@@ -139,6 +145,8 @@ class GatewayApp:
             self.service.draining = True
         if self.lifecycle is not None:
             await self.lifecycle.drain(grace + HAND_OVER_S, lambda: self._finish_or_hand_over(grace))
+        if self._responses is not None:  # background responses still produced here: taken over elsewhere
+            await self._responses.close()
         if self._http is not None:  # its streams ended with the drain above; idle keep-alives close now
             await self._http.stop(1.0)
         if self._fanout is not None:
