@@ -43,6 +43,29 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def parse_phase_args(parser: argparse.ArgumentParser, all_phases: tuple[str, ...]):
+    """``parser``'s arguments with ``--phases`` (of ``all_phases``), ``--tag`` and ``--seed`` added:
+    (args, the phases chosen, in order)."""
+    parser.add_argument("--phases", default=",".join(all_phases), help=f"comma-separated, from {all_phases}")
+    parser.add_argument("--tag", default="", help="suffix of the result files")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - set(all_phases)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}")
+    return args, phases
+
+
+def write_report(report: dict, json_path: Path, plot=None) -> None:
+    """``report`` as JSON at ``json_path`` and, with ``plot(report, png_path)``, its PNG beside it."""
+    RESULTS.mkdir(exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2))
+    if plot is not None:
+        plot(report, json_path.with_suffix(".png"))
+        print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+
+
 def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) -> dict:
     from scheduler_service.core.request import Request
     from scheduler_service.core.scheduler import Scheduler
@@ -163,14 +186,7 @@ def main() -> None:
                         help="the new phases' prefill_chunk_attention_limit (default: what the model runner states)")
     parser.add_argument("--max-seconds", type=float, default=300.0,
                         help="a phase takes no new short request after this many seconds")
-    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {PHASES}")
-    parser.add_argument("--tag", default="", help="suffix of the result files")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    unknown = set(phases) - set(PHASES)
-    if unknown:
-        parser.error(f"unknown phases {sorted(unknown)}")
+    args, phases = parse_phase_args(parser, PHASES)
 
     from pagedserve import LLM
 
@@ -193,10 +209,8 @@ def main() -> None:
         summary = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()
                    if k not in ("short_ttfts", "short_arrivals")}
         print(json.dumps(summary), flush=True)
-        RESULTS.mkdir(exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2))
-    plot(report, json_path.with_suffix(".png"))
-    print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+        write_report(report, json_path)  # after each phase: a later one failing keeps the earlier ones
+    write_report(report, json_path, plot)
 
 
 if __name__ == "__main__":

@@ -106,7 +106,7 @@ def parse_message(body: Any, defaults: Mapping[str, float] | None = None) -> Mes
     tier = body.get("service_tier")
     if tier is not None and tier not in SERVICE_TIERS:
         raise InvalidArgumentError("service_tier", f"must be {' or '.join(SERVICE_TIERS)}, got {tier!r}")
-    _metadata(body)
+    user = _metadata(body)
     max_tokens = _get(body, "max_tokens", int)
     if max_tokens is None:
         raise InvalidArgumentError("max_tokens", "required: the most tokens to generate (an integer >= 1)")
@@ -123,7 +123,8 @@ def parse_message(body: Any, defaults: Mapping[str, float] | None = None) -> Mes
         raise _renamed(exc, _AS_SENT) from None
     request_id = uuid.uuid4().hex
     inp = GenerateInput(params, messages=messages, model=_get(body, "model", str, ""), request_id=request_id,
-                        add_generation_prompt=not continued, continue_final_message=continued, tools=tools)
+                        add_generation_prompt=not continued, continue_final_message=continued, tools=tools,
+                        user=user)
     return MessagesRequest(inp, model=inp.model, message_id="msg_" + request_id,
                            stream=_get(body, "stream", bool, False))
 
@@ -150,14 +151,16 @@ def _checked(body: Any, allowed: frozenset[str]) -> dict:
     return body
 
 
-def _metadata(body: dict) -> None:
-    """Anthropic's ``metadata``: ``user_id``, an end-user id for the caller's records (no effect)."""
+def _metadata(body: dict) -> str:
+    """Anthropic's ``metadata``: ``user_id``, the end user (returned: the request's tenant when
+    the gateway has no API keys, as OpenAI's ``user``)."""
     metadata = _get(body, "metadata", dict, {})
     for key, value in metadata.items():
         if key != "user_id" and value is not None:
             raise InvalidArgumentError(f"metadata.{key}", "is not supported (only user_id)")
     if not isinstance(metadata.get("user_id", ""), (str, type(None))):
         raise InvalidArgumentError("metadata.user_id", "must be a string")
+    return metadata.get("user_id") or ""
 
 
 # -- the conversation --------------------------------------------------------------------------------

@@ -371,7 +371,7 @@ class GenerationService:
                 else:
                     record = request_record_to_bytes(RequestRecord(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
-                        priority=inp.priority, cache_salt=inp.cache_salt))
+                        priority=inp.priority, cache_salt=inp.cache_salt, tenant=owner or inp.user))
                     sent = time.perf_counter()
                     await self._landed(request_id, self._admission.admit(request_id, record, digests,
                                                                      self._fanout.wake_key, owner,

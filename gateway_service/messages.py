@@ -25,6 +25,7 @@ class GenerateInput:
     resume_from_index: int | None = None
     priority: int = 0
     cache_salt: str = ""
+    user: str = ""  # the end user it serves (OpenAI's ``user``): its tenant when the gateway has no API keys
     include_special_tokens: bool = False
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     add_special_tokens: bool = True  # prompt text only: the model's special tokens (BOS) added

@@ -34,7 +34,6 @@ MAX_TEMPLATE_KWARGS_BYTES = 64 << 10  # chat_template_kwargs as JSON (switches a
 
 # Keys accepted but without effect on generation, with the reason.
 _INERT = {
-    "user": "an end-user id for the caller's records",
     "stream": "read by the HTTP layer",
     "metadata": "OpenAI's tags for stored completions (nothing is stored)",
 }
@@ -50,7 +49,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "min_tokens", "ignore_eos", "seed")
 _COMMON_KEYS = {"model", "n", "stream", "stream_options", "stop", "stop_token_ids", "max_tokens", *_INERT, "logit_bias",
-                "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id",
+                "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt", "request_id", "user",
                 "truncate_prompt_tokens", "return_tokens_as_token_ids", "allowed_token_ids", "prompt_logprobs",
                 "response_format", "structured_outputs", *_GUIDED, *_SAMPLING_KEYS, *_OFF_ONLY}
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"})
@@ -289,7 +288,19 @@ def _common(body: dict) -> dict[str, Any]:
                 priority=_get(body, "priority", int, 0), cache_salt=_get(body, "cache_salt", str, ""),
                 include_special_tokens=not _get(body, "skip_special_tokens", bool, True),
                 include_stop_str=_get(body, "include_stop_str_in_output", bool, False),
-                truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int))
+                truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int), user=_user(body))
+
+
+MAX_USER_CHARS = 256
+
+
+def _user(body: dict) -> str:
+    """OpenAI's end-user id: the tenant of the request's fair share when the gateway has no API
+    keys (with keys, the key is the tenant)."""
+    user = _get(body, "user", str, "")
+    if len(user) > MAX_USER_CHARS:
+        raise InvalidArgumentError("user", f"at most {MAX_USER_CHARS} characters, got {len(user)}")
+    return user
 
 
 def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: bool = False,

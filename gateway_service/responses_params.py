@@ -313,7 +313,7 @@ def chat_body(req: ResponseRequest, history: list[dict]) -> tuple[dict, list[str
         turns, sources = [{"role": "system", "content": req.instructions}, *turns], ["instructions", *sources]
     body: dict[str, Any] = {"model": req.model or None, "messages": turns, "max_completion_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p,
-                            "parallel_tool_calls": req.parallel_tool_calls}
+                            "parallel_tool_calls": req.parallel_tool_calls, "user": req.user}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                            if t.get(k) is not None}} for t in req.tools]

@@ -236,7 +236,8 @@ class SchedulerApp:
             record = request_record_from_bytes(entry.data)
             request = Request(record.request_id, record.prompt_token_ids, record.sampling_params,
                               arrival_time=record.arrival_time, priority=record.priority,
-                              cache_salt=record.cache_salt or None, output_token_ids=delivered or ())
+                              cache_salt=record.cache_salt or None, output_token_ids=delivered or (),
+                              tenant=record.tenant)
         except (InvalidArgumentError, DecodeError) as exc:
             field = getattr(exc, "field", "")
             log.warning("refusing malformed request %s: %s", entry.request_id, exc)

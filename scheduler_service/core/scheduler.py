@@ -306,6 +306,7 @@ class Scheduler:
         requests = self.requests
         outputs: list[EngineCoreOutput] = []
         any_finished = False
+        fair = self.waiting if self.config.policy == "fair" else None
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
@@ -320,6 +321,9 @@ class Scheduler:
             else:
                 tokens = None  # a partial prefill chunk samples nothing
             request.num_computed_tokens = computed  # full blocks were cached at allocation
+            if fair is not None and computed > before:  # the service this step gave its tenant
+                prompt_part = max(0, min(computed, request.num_prompt_tokens) - before)
+                fair.charge(request.tenant, prompt_part, computed - before - prompt_part)
             if prompt_logprobs and rid in prompt_logprobs and request.prompt_logprobs is not None:
                 first, items = prompt_logprobs[rid]
                 if 1 <= first and first + len(items) <= len(request.prompt_logprobs):

@@ -1,4 +1,6 @@
-"""Waiting queues: first-come-first-served and priority (seed §2.3)."""
+"""Waiting queues: first-come-first-served and priority (seed §2.3), and fair shares between
+tenants (the virtual token counter of Sheng et al., "Fairness in Serving Large Language Models",
+OSDI 2024)."""
 
 from __future__ import annotations
 
@@ -126,10 +128,107 @@ class PriorityWaitingQueue:
         return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
 
-def create_waiting_queue(policy: str) -> FCFSWaitingQueue | PriorityWaitingQueue:
-    """The queue for a scheduling policy ("fcfs" or "priority")."""
+PROMPT_TOKEN_WEIGHT = 1.0  # VTC's service weights: a prompt token computed ...
+OUTPUT_TOKEN_WEIGHT = 2.0  # ... and an output token (a decode step costs more per token than a prefill)
+
+
+class FairWaitingQueue:
+    """Weighted fair shares of service between tenants (``Request.tenant``): the virtual token
+    counter (VTC). Each tenant's counter grows by the service its requests got — prompt tokens
+    computed × :data:`PROMPT_TOKEN_WEIGHT` + output tokens × :data:`OUTPUT_TOKEN_WEIGHT`, divided
+    by its weight (:meth:`charge`, called by the scheduler as steps complete) — and the next
+    request is the head of the tenant with the smallest counter, within the best priority class:
+    the key of a tenant's head is (priority, counter, arrival time). A tenant that had nothing
+    queued starts at least at the smallest counter of those queued, so idling banks no credit.
+    Within a tenant: (priority, arrival) order, as :class:`PriorityWaitingQueue`. With one tenant
+    the order is :class:`PriorityWaitingQueue`'s."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self._heaps: dict[str, list[tuple[int, float, int, Request]]] = {}
+        self.counters: dict[str, float] = {}
+        self._weights = dict(weights or {})
+        self._counter = itertools.count()
+        self._len = 0
+
+    def charge(self, tenant: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        """Count service ``tenant`` received (tokens computed for its requests)."""
+        service = num_prompt_tokens * PROMPT_TOKEN_WEIGHT + num_output_tokens * OUTPUT_TOKEN_WEIGHT
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + service / self._weights.get(tenant, 1.0)
+
+    def _push(self, request: Request) -> None:
+        tenant = request.tenant
+        heap = self._heaps.get(tenant)
+        if not heap:  # (re)activated: no credit for the time it had nothing queued
+            queued = [self.counters.get(t, 0.0) for t, h in self._heaps.items() if h and t != tenant]
+            floor = min(queued) if queued else 0.0
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+            heap = self._heaps[tenant] = []
+        heapq.heappush(heap, (request.priority, request.arrival_time, next(self._counter), request))
+        self._len += 1
+
+    def _head_heap(self) -> list:
+        best, best_key = None, None
+        for tenant, heap in self._heaps.items():
+            if heap:
+                head = heap[0]
+                key = (head[0], self.counters.get(tenant, 0.0), head[1], head[2])
+                if best_key is None or key < best_key:
+                    best, best_key = heap, key
+        if best is None:
+            raise IndexError("the waiting queue is empty")
+        return best
+
+    def add(self, request: Request) -> None:
+        self._push(request)
+
+    def pop(self) -> Request:
+        """The head of the tenant with the smallest counter (best priority first). Raises IndexError when empty."""
+        request = heapq.heappop(self._head_heap())[3]
+        self._len -= 1
+        return request
+
+    def peek(self) -> Request:
+        return self._head_heap()[0][3]
+
+    def prepend(self, request: Request) -> None:
+        """Same as ``add``: a preempted request keeps its key within its tenant."""
+        self._push(request)
+
+    def remove(self, request: Request) -> None:
+        n = self._len
+        self.remove_many((request,))
+        if self._len == n:
+            raise ValueError(f"{request.request_id} is not queued")
+
+    def remove_many(self, requests: Iterable[Request]) -> None:
+        doomed = {id(r) for r in requests}
+        if not doomed:
+            return
+        for tenant, heap in self._heaps.items():
+            kept = [e for e in heap if id(e[3]) not in doomed]
+            if len(kept) != len(heap):
+                self._len -= len(heap) - len(kept)
+                heapq.heapify(kept)
+                self._heaps[tenant] = kept
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        """In the order pops would give with the counters as they are now (inspection only)."""
+        entries = [(e[0], self.counters.get(t, 0.0), e[1], e[2], e[3]) for t, h in self._heaps.items() for e in h]
+        return (e[4] for e in sorted(entries, key=lambda e: e[:4]))
+
+
+def create_waiting_queue(policy: str, weights: dict[str, float] | None = None):
+    """The queue for a scheduling policy ("fcfs", "priority" or "fair", with tenants' ``weights``)."""
     if policy == "fcfs":
         return FCFSWaitingQueue()
     if policy == "priority":
         return PriorityWaitingQueue()
+    if policy == "fair":
+        return FairWaitingQueue(weights)
     raise ValueError(f"unknown policy {policy!r}")

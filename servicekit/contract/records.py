@@ -21,6 +21,7 @@ class RequestRecord:
     deadline: float = 0.0  # wall-clock seconds after which nobody waits for it; 0 = none
     priority: int = 0  # lower runs first under priority scheduling
     cache_salt: str = ""  # prefix-cache salt; "" = none
+    tenant: str = ""  # whose fair share it counts against (scheduling policy "fair"); "" = the one default
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ _STATUS_NAME = {number: name for name, number in _STATUS_NUMBER.items()}
 def request_record_to_bytes(record: RequestRecord) -> bytes:
     msg = queue_pb2.EngineRequest(
         request_id=record.request_id, prompt_token_ids=record.prompt_token_ids, arrival_time=record.arrival_time,
-        deadline=record.deadline, priority=record.priority, cache_salt=record.cache_salt)
+        deadline=record.deadline, priority=record.priority, cache_salt=record.cache_salt, tenant=record.tenant)
     sampling_params_to_pb(record.sampling_params, msg.sampling_params)
     return msg.SerializeToString()
 
@@ -38,7 +38,8 @@ def request_record_from_bytes(data: bytes) -> RequestRecord:
     msg = queue_pb2.EngineRequest.FromString(data)
     return RequestRecord(
         msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params, trusted=True),
-        arrival_time=msg.arrival_time, deadline=msg.deadline, priority=msg.priority, cache_salt=msg.cache_salt)
+        arrival_time=msg.arrival_time, deadline=msg.deadline, priority=msg.priority, cache_salt=msg.cache_salt,
+        tenant=msg.tenant)
 
 
 def _output_msg(token_ids, first_index: int, finish_reason, num_cached_tokens: int, logprobs, prompt_logprobs

@@ -14,7 +14,7 @@ from servicekit.proto.pb import queue_pb2
 
 def test_a_request_record_round_trips():
     record = RequestRecord("r1", [1, 2, 3], SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=("x",)),
-                           arrival_time=12.5, deadline=99.0, priority=2, cache_salt="salt")
+                           arrival_time=12.5, deadline=99.0, priority=2, cache_salt="salt", tenant="team-a")
     data = queue.request_record_to_bytes(record)
     assert queue.request_record_from_bytes(data) == record
     assert queue.request_record_to_bytes(queue.request_record_from_bytes(data)) == data
