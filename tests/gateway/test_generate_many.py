@@ -247,6 +247,7 @@ class _Chatty:
     turn in between, as when a client stops reading and the call's writes stall)."""
 
     draining = False
+    sampling_defaults: dict = {}
 
     async def wait_draining(self):
         await asyncio.Event().wait()

@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from worker_service.sampler import (
+    UNIFORM_BITS,
     Sampler,
     SamplingMetadata,
     apply_filters,
     gumbel_noise,
     uniform_noise,
+    unit_interval,
 )
 
 TOY_LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -82,6 +84,26 @@ def test_uniform_noise_is_uniform_and_in_open_interval():
     assert abs(float(u.mean()) - 0.5) < 0.005
     g = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
     assert abs(float(g.mean()) - 0.5772) < 0.02  # Euler–Mascheroni constant
+
+
+def test_the_extreme_uniforms_stay_inside_the_open_interval_and_their_noise_finite():
+    """The largest and smallest bit patterns: with 24 bits the largest rounded to 1.0 in fp32, its
+    Gumbel noise was +inf, and a removed token's -inf + inf = NaN won the argmax."""
+    u = unit_interval(torch.tensor([0, 1, (1 << UNIFORM_BITS) - 2, (1 << UNIFORM_BITS) - 1]))
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0 and len(set(u.tolist())) == 4
+    g = -torch.log(-torch.log(u))
+    assert torch.isfinite(g).all()
+
+
+def test_a_removed_token_is_never_sampled_whatever_its_noise():
+    """Every token but one at -inf (a grammar, allowed_token_ids): over many seeds and positions
+    the one token is always sampled, also where another's noise is the largest there is."""
+    logits = torch.full((256, 49152), float("-inf"))
+    logits[:, 7] = 0.0
+    meta = meta_for(256, temperature=1.0)
+    meta.seeds = torch.arange(256, dtype=torch.int64) * 7919
+    meta.positions = torch.arange(256, dtype=torch.int64)
+    assert set(Sampler()(logits, meta).token_ids.tolist()) == {7}
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
