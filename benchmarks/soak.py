@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tenant_fairness import cpu_flags  # noqa: E402
-from ttft_fairness import percentile, write_report  # noqa: E402
+from ttft_fairness import percentile, save_figure, write_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("grpc-stream", "http-stream", "http-whole", "http-chat", "invalid")
@@ -238,9 +238,7 @@ def plot(report: dict, path: Path) -> None:
     bottom.set_xlabel("time since the load began (s)")
     bottom.legend()
     fig.suptitle("soak: every process's memory and the streams' TTFT")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:

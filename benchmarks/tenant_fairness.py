@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ttft_fairness import parse_phase_args, percentile, write_report
+from ttft_fairness import parse_phase_args, percentile, save_figure, write_report
 
 PHASES = ("b-alone", "a-alone", "both-fcfs", "both-fair")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -133,9 +133,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("B's time to first token (s)")
     ax.set_title("tenant B's TTFT while tenant A floods")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -57,6 +57,15 @@ def parse_phase_args(parser: argparse.ArgumentParser, all_phases: tuple[str, ...
     return args, phases
 
 
+def save_figure(fig, path: Path) -> None:
+    """Lay ``fig`` out, write it to ``path`` and release it (matplotlib)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_report(report: dict, json_path: Path, plot=None) -> None:
     """``report`` as JSON at ``json_path`` and, with ``plot(report, png_path)``, its PNG beside it."""
     RESULTS.mkdir(exist_ok=True)

@@ -14,6 +14,7 @@ from gateway_service.tool_calls import ToolChoice, constraint, parse_tools, rend
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.generation import chat_from_pb, usage_to_pb
 from servicekit.proto.pb import generation_pb2, sampling_pb2
+from servicekit.sampling_defaults import unset_filled
 from servicekit.proto.sampling import FINISH_REASON_TO_PB, logprobs_to_pb, sampling_params_from_pb
 
 
@@ -25,12 +26,12 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest,
     if which is None:
         raise InvalidArgumentError("prompt", "one of prompt, chat or prompt_token_ids is required")
     sampling = msg.sampling_params
-    if sampling_defaults:
+    unset = {name: value for name, value in (sampling_defaults or {}).items() if not sampling.HasField(name)}
+    if unset:
         sampling = sampling_pb2.SamplingParams()
         sampling.CopyFrom(msg.sampling_params)
-        for name, value in sampling_defaults.items():
-            if not sampling.HasField(name):
-                setattr(sampling, name, int(value) if name == "top_k" else value)
+        for name, value in unset_filled({}, unset).items():
+            setattr(sampling, name, value)
     params = sampling_params_from_pb(sampling)
     messages, tools = chat_turns_from_pb(msg.chat) if which == "chat" else (None, None)
     tool_constraint = constraint(tools) if tools is not None else None

@@ -64,7 +64,7 @@ class GatewayApp:
         if self._hf_tokenizer is None:
             self._hf_tokenizer = await asyncio.to_thread(load_tokenizer, s.model)
         await ensure_request_group(self._redis, keys)
-        defaults, origin = await asyncio.to_thread(_sampling_defaults, s)
+        defaults, origin = await asyncio.to_thread(sampling_defaults.for_model, s.sampling_defaults, s.model)
         log.info("sampling defaults for requests that leave them unset: %s (%s)",
                  ", ".join(f"{k}={v:g}" for k, v in defaults.items()) or "OpenAI's (temperature=1, no filter)", origin)
         fallback = functools.cache(lambda: config_limits(s.model, self._hf_tokenizer))  # read once, if ever needed
@@ -155,18 +155,6 @@ class GatewayApp:
             await self._limits.stop()
         if self._owns_redis and self._redis is not None:
             await self._redis.aclose()
-
-
-def _sampling_defaults(s: GatewayConfig) -> tuple[dict[str, float], str]:
-    """``--sampling-defaults`` for the served model; a name that is no local model (a test's, a Hub
-    id not yet downloaded) has none of its own."""
-    from servicekit.model_registry import ModelNotFoundError, resolve_model
-
-    try:
-        source = resolve_model(s.model)
-    except ModelNotFoundError:
-        return sampling_defaults.resolve(s.sampling_defaults, None)
-    return sampling_defaults.resolve(s.sampling_defaults, source)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:

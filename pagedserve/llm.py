@@ -28,7 +28,6 @@ from servicekit.grammar import check_sampling
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.step import FinishReason, TokenLogprobs
-from servicekit.model_registry import ModelNotFoundError, resolve_model
 
 Prompt = Union[str, Sequence[int]]
 Message = dict[str, Any]
@@ -158,11 +157,7 @@ class LLM:
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
         self._prompts = None if self.tokenizer is None else PromptTokenizer(self.tokenizer)
         self._ids = itertools.count()
-        try:
-            source = resolve_model(model)
-        except ModelNotFoundError:
-            source = None
-        self._sampling_defaults, _ = sampling_defaults.resolve(sampling_defaults.AUTO, source)
+        self._sampling_defaults, _ = sampling_defaults.for_model(sampling_defaults.AUTO, model)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``sampling_params``: the model's own

@@ -93,6 +93,18 @@ def resolve(setting: str, source: ModelSource | None) -> tuple[dict[str, float],
     return {**found, **parse_overrides(setting)}, f"--sampling-defaults over {origin}"
 
 
+def for_model(setting: str, model: str) -> tuple[dict[str, float], str]:
+    """:func:`resolve` for a model given by name (``servicekit.model_registry``); a name that is no
+    local model (a test's, a Hub id not downloaded) has none of its own."""
+    from servicekit.model_registry import ModelNotFoundError, resolve_model
+
+    try:
+        source = resolve_model(model)
+    except ModelNotFoundError:
+        source = None
+    return resolve(setting, source)
+
+
 def parse_overrides(text: str) -> dict[str, float]:
     """A ``--sampling-defaults`` JSON object, checked: known fields, numbers."""
     try:
