@@ -106,6 +106,7 @@ def run_phase(runner, phase: str, args: argparse.Namespace, rng: random.Random) 
     b_ttfts = [(first_token.get(rid, end) - at, rid in first_token) for rid, (tenant, at) in arrived.items()
                if tenant == "B"]
     result = {"phase": phase, "policy": policy, "num_steps": num_steps, "seconds": end,
+              "num_preemptions": scheduler.num_preemptions,
               "a_tokens_per_s": tokens["A"] / end, "b_tokens_per_s": tokens["B"] / end,
               "num_a": sum(1 for t, _ in arrived.values() if t == "A"), "num_b": len(b_ttfts),
               "load_before": load_before, "load_after": os.getloadavg()}

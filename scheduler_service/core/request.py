@@ -58,7 +58,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
         "status", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "block_hashes", "max_tokens", "stop_token_set", "all_token_ids", "output_token_ids",
-        "_block_size", "_first_extra_keys", "prompt_logprobs", "tenant",
+        "_block_size", "_first_extra_keys", "prompt_logprobs", "tenant", "tenant_weight",
     )
 
     def __init__(
@@ -73,6 +73,7 @@ class Request:
         output_token_ids: Sequence[int] = (),
         block_size: int | None = None,
         tenant: str = "",
+        tenant_weight: float = 0.0,
     ) -> None:
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.request_id = request_id  # unique among live requests of a scheduler
@@ -82,6 +83,7 @@ class Request:
         self.priority = priority  # lower is scheduled sooner (policy "priority")
         self.cache_salt = cache_salt  # isolates this request's prefix-cache entries (per tenant)
         self.tenant = tenant  # whose share it counts against (policy "fair"); "" for all others
+        self.tenant_weight = tenant_weight  # the tenant's weight in fair shares; 0: not given (1, or the queue's)
         self.status = RequestStatus.WAITING  # lifecycle: WAITING -> RUNNING (<-> PREEMPTED) -> FINISHED_*
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is computed (or hit in the prefix cache)

@@ -89,6 +89,7 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING requests, in admission order
         self.finished_req_ids: set[str] = set()  # finished/aborted since the last schedule()
         self.num_preemptions = 0  # preemptions since start
+        self.tenant_usage: dict[str, list[int]] = {}  # tokens of finished requests per tenant: take_tenant_usage()
         self._seed_rng = seed_rng if seed_rng is not None else random.Random(0)  # seeds for unseeded requests
         self._eos_token_ids = frozenset(worker.eos_token_ids)
 
@@ -159,9 +160,17 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
+        running = self.running
+        # Phase 0 (policy fair): a seat for a tenant below its share, from one above it.
+        seat_victim = None
+        victim_index = self._fair_seat_victim()
+        if victim_index is not None:
+            seat_victim = running.pop(victim_index)
+            self._preempt(seat_victim)
+        due, reserve = self._fair_reserve(threshold, budget) if cfg.policy == "fair" else (None, 0)
+        others = cfg.shared_prefill_token_threshold or budget  # with ``due``: prefill tokens for the others
 
         # Phase 1: the running batch.
-        running = self.running
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -169,6 +178,12 @@ class Scheduler:
                              len(request.all_token_ids) - request.num_computed_tokens, threshold, shared)
             if n > 1:
                 n = self._attention_cap(request.num_computed_tokens, n)
+                if due is not None:
+                    n = min(n, budget - reserve, others)
+                    if n <= 0:
+                        i += 1
+                        continue  # the budget left is kept for a tenant's first chunk (policy fair)
+                    others -= n
             if n > budget:
                 n = budget
             new_blocks = kv.allocate_slots(request, n)
@@ -202,6 +217,11 @@ class Scheduler:
             n = self._capped(request, num_computed, request.num_tokens - num_computed, threshold, shared)
             if n > 1:
                 n = self._attention_cap(num_computed, n)
+                if due is not None and request is not due:
+                    if n > others and not cfg.enable_chunked_prefill or others <= 0:
+                        break  # the rest of the budget is not for another prompt (policy fair)
+                    n = min(n, others)
+                    others -= n
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break  # the whole prompt must fit: it waits for a step with room
@@ -230,7 +250,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted}
+            | ({seat_victim.request_id} if seat_victim is not None else set()),
         )
         self.finished_req_ids = set()
         return output
@@ -255,7 +276,7 @@ class Scheduler:
         running = self.running
         if not planned or not running:
             return None
-        if self.waiting and len(running) < self.config.max_num_seqs:
+        if self.waiting and (len(running) < self.config.max_num_seqs or self._fair_seat_victim() is not None):
             return None  # a waiting request may take a seat: schedule() decides, with the results in
         if len(running) > self.config.max_num_batched_tokens:
             return None
@@ -354,6 +375,14 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
+
+    def take_tenant_usage(self) -> dict[str, list[int]]:
+        """Prompt and output tokens of the requests finished (aborted ones included) since the
+        last call, per tenant: ``{tenant: [prompt, output]}``; then start over. Counted once, at
+        the finish, for metrics (the fair queue's counters are charged step by step). A caller
+        that never takes it keeps one entry per tenant seen."""
+        usage, self.tenant_usage = self.tenant_usage, {}
+        return usage
 
     @staticmethod
     def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs] | None:
@@ -471,6 +500,11 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and free its blocks; the caller removes it from its queue/list."""
         request.status = status
+        usage = self.tenant_usage.get(request.tenant)
+        if usage is None:
+            usage = self.tenant_usage[request.tenant] = [0, 0]
+        usage[0] += request.num_prompt_tokens
+        usage[1] += len(request.output_token_ids)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -483,6 +517,66 @@ class Scheduler:
             return running.pop(), len(running)
         index = max(range(len(running) - 1, -1, -1), key=lambda k: (running[k].priority, running[k].arrival_time))
         return running.pop(index), index
+
+    def _fair_due(self) -> tuple[Request | None, dict[str, int], dict[str, float]]:
+        """Policy fair: the waiting head, when its tenant would still be within its weighted share
+        of seats with one more (``max_num_seqs`` × its weight / the weights of the tenants running
+        or waiting) and another tenant runs requests, else None; with the seats each tenant holds
+        and the tenants' weights."""
+        queue = self.waiting
+        if self.config.policy != "fair":
+            return None, {}, {}
+        seats: dict[str, int] = {}
+        for request in self.running:
+            seats[request.tenant] = seats.get(request.tenant, 0) + 1
+        weights = {t: queue.weight(t) for t in seats.keys() | queue.tenants()}
+        if not queue:
+            return None, seats, weights
+        head = queue.peek()
+        total, cap = sum(weights.values()), self.config.max_num_seqs
+        within = (seats.get(head.tenant, 0) + 1) * total <= cap * weights[head.tenant]
+        # ... and only while another tenant runs requests: with one tenant the plan is the
+        # priority policy's.
+        due = within and any(t != head.tenant for t in seats)
+        return (head if due else None), seats, weights
+
+    def _fair_seat_victim(self) -> int | None:
+        """Policy fair: the index in ``running`` of the request to preempt for a seat, or None.
+        Only when every seat is taken and the waiting head is due a seat (:meth:`_fair_due`): then
+        the newest request, of a class no better than the head's, of the tenant furthest above
+        its share (seats over weight; ties by name). Tokens already delivered are kept: the victim
+        resumes from prompt + outputs. One victim a step; with one tenant there is none."""
+        running = self.running
+        if len(running) < self.config.max_num_seqs:
+            return None
+        head, seats, weights = self._fair_due()
+        if head is None:
+            return None
+        total, cap = sum(weights.values()), self.config.max_num_seqs
+        over = [(n / weights[t], t) for t, n in seats.items() if t != head.tenant and n * total > cap * weights[t]]
+        if not over:
+            return None
+        tenant = max(over)[1]
+        for index in range(len(running) - 1, -1, -1):
+            request = running[index]
+            if request.tenant == tenant and request.priority >= head.priority:
+                return index
+        return None
+
+    def _fair_reserve(self, threshold: int, budget: int) -> tuple[Request | None, int]:
+        """Policy fair: a waiting head due a seat (:meth:`_fair_due`) when a seat is free for it,
+        and the tokens of this step's budget kept for its first chunk; else (None, 0). In such a
+        step the other requests' prefill chunks compute at most ``shared_prefill_token_threshold``
+        tokens in all (decodes are not held back): otherwise a flood's prompts, admitted first,
+        take the step's budget, and the head's first token waits for the longest steps. (Holding
+        them to that in every step two tenants share cost the flooding tenant 10 % of its
+        throughput and gave the other no better median: benchmarks/tenant_fairness.py.)"""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None, 0
+        head, _, _ = self._fair_due()
+        if head is None:
+            return None, 0
+        return head, min(head.num_tokens, threshold or budget, budget)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-preemption: free its blocks, forget its progress, put it at the queue front."""

@@ -130,6 +130,7 @@ class PriorityWaitingQueue:
 
 PROMPT_TOKEN_WEIGHT = 1.0  # VTC's service weights: a prompt token computed ...
 OUTPUT_TOKEN_WEIGHT = 2.0  # ... and an output token (a decode step costs more per token than a prefill)
+MAX_IDLE_TENANTS = 1024  # counters kept for tenants with nothing queued (the most served ones)
 
 
 class FairWaitingQueue:
@@ -139,41 +140,81 @@ class FairWaitingQueue:
     by its weight (:meth:`charge`, called by the scheduler as steps complete) — and the next
     request is the head of the tenant with the smallest counter, within the best priority class:
     the key of a tenant's head is (priority, counter, arrival time). A tenant that had nothing
-    queued starts at least at the smallest counter of those queued, so idling banks no credit.
+    queued starts at least at the smallest counter of those queued, so idling banks no credit;
+    on equal counters the tenant that became active last goes first (it was lifted to the
+    floor, which the others reached by being served).
     Within a tenant: (priority, arrival) order, as :class:`PriorityWaitingQueue`. With one tenant
-    the order is :class:`PriorityWaitingQueue`'s."""
+    the order is :class:`PriorityWaitingQueue`'s.
+
+    A tenant's weight is the one its latest queued request carries (``Request.tenant_weight``,
+    from the gateway's keys file), else ``weights``' entry, else 1. State is bounded: a tenant
+    with nothing queued keeps its counter only while it is above the floor (below, it would be
+    lifted to the floor on its return anyway), and at most :data:`MAX_IDLE_TENANTS` of those (the
+    most served) are kept."""
 
     def __init__(self, weights: dict[str, float] | None = None) -> None:
-        self._heaps: dict[str, list[tuple[int, float, int, Request]]] = {}
-        self.counters: dict[str, float] = {}
-        self._weights = dict(weights or {})
+        self._heaps: dict[str, list[tuple[int, float, int, Request]]] = {}  # tenants with requests queued
+        self._activated: dict[str, int] = {}  # tenant -> when its heap was created (a tie-breaker)
+        self.counters: dict[str, float] = {}  # service per tenant over its weight
+        self._defaults = dict(weights or {})  # weights not carried by requests
+        self._weights: dict[str, float] = {}  # weights carried by the tenants' latest requests
         self._counter = itertools.count()
         self._len = 0
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's weight in the shares (1 unless given)."""
+        return self._weights.get(tenant) or self._defaults.get(tenant, 1.0)
+
+    def tenants(self) -> Iterable[str]:
+        """The tenants with requests queued."""
+        return self._heaps.keys()
 
     def charge(self, tenant: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """Count service ``tenant`` received (tokens computed for its requests)."""
         service = num_prompt_tokens * PROMPT_TOKEN_WEIGHT + num_output_tokens * OUTPUT_TOKEN_WEIGHT
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + service / self._weights.get(tenant, 1.0)
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + service / self.weight(tenant)
+
+    def _floor(self, without: str | None = None) -> float:
+        """The smallest counter of the tenants with requests queued (``without`` left out); 0 if none."""
+        queued = [self.counters.get(t, 0.0) for t in self._heaps if t != without]
+        return min(queued) if queued else 0.0
 
     def _push(self, request: Request) -> None:
         tenant = request.tenant
+        if request.tenant_weight > 0:
+            self._weights[tenant] = request.tenant_weight
         heap = self._heaps.get(tenant)
-        if not heap:  # (re)activated: no credit for the time it had nothing queued
-            queued = [self.counters.get(t, 0.0) for t, h in self._heaps.items() if h and t != tenant]
-            floor = min(queued) if queued else 0.0
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        if heap is None:  # (re)activated: no credit for the time it had nothing queued
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), self._floor())
             heap = self._heaps[tenant] = []
+            self._activated[tenant] = next(self._counter)
         heapq.heappush(heap, (request.priority, request.arrival_time, next(self._counter), request))
         self._len += 1
 
-    def _head_heap(self) -> list:
+    def _deactivated(self, tenant: str) -> None:
+        """``tenant``'s last queued request left: forget what it needs no more."""
+        del self._heaps[tenant], self._activated[tenant]
+        if len(self.counters) > len(self._heaps) + 2 * MAX_IDLE_TENANTS:
+            self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drop the counters and weights of tenants with nothing queued that are at or below the
+        floor, then all but the :data:`MAX_IDLE_TENANTS` largest. A tenant with requests running
+        is charged again as its steps complete; it comes back at the floor or above."""
+        floor = self._floor()
+        idle = sorted(((c, t) for t, c in self.counters.items() if t not in self._heaps and c > floor),
+                      reverse=True)[:MAX_IDLE_TENANTS]
+        kept = {t for _, t in idle} | self._heaps.keys()
+        self.counters = {t: c for t, c in self.counters.items() if t in kept}
+        self._weights = {t: w for t, w in self._weights.items() if t in kept}
+
+    def _head_tenant(self) -> str:
         best, best_key = None, None
         for tenant, heap in self._heaps.items():
-            if heap:
-                head = heap[0]
-                key = (head[0], self.counters.get(tenant, 0.0), head[1], head[2])
-                if best_key is None or key < best_key:
-                    best, best_key = heap, key
+            head = heap[0]
+            key = (head[0], self.counters.get(tenant, 0.0), -self._activated[tenant], head[1], head[2])
+            if best_key is None or key < best_key:
+                best, best_key = tenant, key
         if best is None:
             raise IndexError("the waiting queue is empty")
         return best
@@ -183,12 +224,16 @@ class FairWaitingQueue:
 
     def pop(self) -> Request:
         """The head of the tenant with the smallest counter (best priority first). Raises IndexError when empty."""
-        request = heapq.heappop(self._head_heap())[3]
+        tenant = self._head_tenant()
+        heap = self._heaps[tenant]
+        request = heapq.heappop(heap)[3]
         self._len -= 1
+        if not heap:
+            self._deactivated(tenant)
         return request
 
     def peek(self) -> Request:
-        return self._head_heap()[0][3]
+        return self._heaps[self._head_tenant()][0][3]
 
     def prepend(self, request: Request) -> None:
         """Same as ``add``: a preempted request keeps its key within its tenant."""
@@ -204,12 +249,17 @@ class FairWaitingQueue:
         doomed = {id(r) for r in requests}
         if not doomed:
             return
+        emptied = []
         for tenant, heap in self._heaps.items():
             kept = [e for e in heap if id(e[3]) not in doomed]
             if len(kept) != len(heap):
                 self._len -= len(heap) - len(kept)
                 heapq.heapify(kept)
                 self._heaps[tenant] = kept
+                if not kept:
+                    emptied.append(tenant)
+        for tenant in emptied:
+            self._deactivated(tenant)
 
     def __len__(self) -> int:
         return self._len
@@ -219,8 +269,9 @@ class FairWaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """In the order pops would give with the counters as they are now (inspection only)."""
-        entries = [(e[0], self.counters.get(t, 0.0), e[1], e[2], e[3]) for t, h in self._heaps.items() for e in h]
-        return (e[4] for e in sorted(entries, key=lambda e: e[:4]))
+        entries = [(e[0], self.counters.get(t, 0.0), -self._activated[t], e[1], e[2], e[3])
+                   for t, h in self._heaps.items() for e in h]
+        return (e[5] for e in sorted(entries, key=lambda e: e[:5]))
 
 
 def create_waiting_queue(policy: str, weights: dict[str, float] | None = None):

@@ -153,7 +153,7 @@ def expected_tokens(rid: str, max_tokens: int, ignore_eos: bool, min_tokens: int
 
 
 def simulate(num_requests: int, seed: int, *, pipelined: bool, abort_rate: float = 0.0, burst: bool = False,
-             **config):
+             tenants: int = 0, **config):
     """Random arrivals and aborts between steps; with ``pipelined`` the step after each one in
     flight is planned before its results (as the engine loop does), and the worker runs what it was
     sent in order. Returns (delivered tokens by id, finish reasons by id, steps, steps planned ahead,
@@ -168,6 +168,8 @@ def simulate(num_requests: int, seed: int, *, pipelined: bool, abort_rate: float
         request = make_request(request_id=f"sim-{seed}-{k}", prompt_token_ids=prompt, max_tokens=max_tokens,
                                ignore_eos=rng.random() < 0.3, min_tokens=min(max_tokens, rng.choice((0, 0, 3))),
                                arrival_time=float(k))
+        if tenants:
+            request.tenant = f"t{rng.randrange(tenants)}"
         arrivals.setdefault(0 if burst else rng.randrange(num_requests), []).append(request)
     delivered: dict[str, list[int]] = {}
     finish: dict[str, FinishReason] = {}
@@ -215,6 +217,8 @@ def simulate(num_requests: int, seed: int, *, pipelined: bool, abort_rate: float
     dict(num_blocks=41, block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=24,
          policy="priority", long_prefill_token_threshold=16),
     dict(num_blocks=400, block_size=16, max_model_len=128, max_num_batched_tokens=256, max_num_seqs=8),
+    dict(num_blocks=81, block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8,
+         policy="fair", tenants=3),
 ])
 def test_pipelined_steps_deliver_what_lockstep_steps_deliver(config):
     """Same requests, arrivals and model: every request ends with the same tokens and finish

@@ -23,7 +23,7 @@ def token_fn(request_id: str, index: int) -> int:
     return zlib.crc32(f"{request_id}/{index}".encode()) % 50 or EOS
 
 
-def simulate(num_requests: int, seed: int, **config):
+def simulate(num_requests: int, seed: int, *, tenants: int = 0, **config):
     rng = random.Random(seed)
     s = make_scheduler(seed_rng=random.Random(seed), **config)
     worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn)
@@ -34,6 +34,9 @@ def simulate(num_requests: int, seed: int, **config):
         max_tokens = rng.randint(1, 32)
         request = make_request(request_id=f"sim-{seed}-{k}", prompt_token_ids=prompt, max_tokens=max_tokens,
                                ignore_eos=True, priority=rng.randrange(3), arrival_time=float(k))
+        if tenants:
+            request.tenant = f"t{rng.randrange(tenants)}"
+            request.tenant_weight = 1.0 + int(request.tenant[1:])
         arrivals.setdefault(rng.randrange(num_requests // 2), []).append(request)
         expected[request.request_id] = max_tokens
     delivered: dict[str, list[int]] = {}
@@ -70,6 +73,7 @@ def simulate(num_requests: int, seed: int, **config):
 @pytest.mark.parametrize("config", [
     dict(),
     dict(policy="priority", long_prefill_token_threshold=16),
+    dict(policy="fair", tenants=4),
 ])
 def test_thousand_requests_all_finish_exactly_under_preemption(config):
     stats = simulate(1000, seed=7, num_blocks=81, block_size=4, max_model_len=128, max_num_batched_tokens=64,
