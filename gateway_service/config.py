@@ -96,6 +96,12 @@ class GatewayConfig(ModelConfig, ServerConfig, GatewayPorts, SamplingDefaultsCon
                               "open to anyone who reaches the port)")
     api_keys_file: str = setting("", help="file of API keys, one per line ('sha256:HEX' digests allowed, '#' "
                                           "comments); re-read when it changes, so keys are added or revoked live")
+    tenant_from: str = setting(
+        "auto", choices=("auto", "key", "user"),
+        help="whose fair share a request counts against (a scheduler's --policy fair): key = the tenant its API key "
+             "names in the keys file ('KEY tenant=NAME weight=W'; else the key itself), user = the request's end-user "
+             "field (OpenAI's user, Anthropic's metadata.user_id, the SDK's user), auto = key when API keys are "
+             "configured, else user")
     max_requests_per_key: int = setting(0, minimum=0, help="Generate streams one API key may have open on this gateway; more "
                                                 "is RESOURCE_EXHAUSTED (0: no limit)")
     max_tokens_per_key_per_minute: int = setting(

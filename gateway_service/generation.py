@@ -127,7 +127,9 @@ class GenerationService:
     """The gateway's logic, free of gRPC. ``in_flight`` counts live Generate streams.
     ``sampling_defaults``: what the sampling fields a request leaves unset take (field name ->
     value, ``servicekit.sampling_defaults``); each API fills them in before it parses a request,
-    since only it knows which fields were sent."""
+    since only it knows which fields were sent. ``tenant_of(owner, user)``: the tenant a request
+    counts against in fair shares and its weight (0: not given), from its API key's digest and its
+    end-user field (default: the digest, else the user)."""
 
     def __init__(self, *, model: str, keys: RedisKeys, tokenizer: PromptTokenizer, limits: ModelLimitsView,
                  admission: Admission, fanout: OutputFanout, seed_rng: random.Random | None = None,
@@ -136,8 +138,10 @@ class GenerationService:
                  metrics: GatewayMetrics | None = None,
                  structured_output_limits: tuple[int, float] = (MAX_SPEC_BYTES, CHECK_TIMEOUT_S),
                  tool_parser: str = DEFAULT_PARSER, sampling_defaults: dict[str, float] | None = None,
-                 worker_wait_s: float = 0.0) -> None:
+                 worker_wait_s: float = 0.0,
+                 tenant_of: Callable[[str, str], tuple[str, float]] | None = None) -> None:
         self.sampling_defaults = dict(sampling_defaults or {})
+        self._tenant_of = tenant_of or (lambda owner, user: (owner or user, 0.0))
         self._worker_wait_s = worker_wait_s
         self._structured_limits = structured_output_limits
         self._tool_parser = tool_parser
@@ -369,9 +373,11 @@ class GenerationService:
                 if inp.resume_from_index is not None:
                     await self._landed(request_id, self._admission.join(request_id, digests, self._fanout.wake_key, owner))
                 else:
+                    tenant, tenant_weight = self._tenant_of(owner, inp.user)
                     record = request_record_to_bytes(RequestRecord(
                         request_id, prompt_ids, params, arrival_time=time.time(), deadline=deadline,
-                        priority=inp.priority, cache_salt=inp.cache_salt, tenant=owner or inp.user))
+                        priority=inp.priority, cache_salt=inp.cache_salt, tenant=tenant,
+                        tenant_weight=tenant_weight))
                     sent = time.perf_counter()
                     await self._landed(request_id, self._admission.admit(request_id, record, digests,
                                                                      self._fanout.wake_key, owner,

@@ -26,6 +26,20 @@ log = logging.getLogger("pagedserve.gateway")
 HAND_OVER_S = 2.0  # past the drain grace: for live calls to end UNAVAILABLE before the server stops
 
 
+def tenant_resolver(api_keys: KeyStore, source: str):
+    """``tenant_of(owner, user)`` for ``--tenant-from`` ``source``: the tenant and weight of the
+    caller's key (``key``), the request's end-user field with no weight (``user``), or the key's
+    when keys are configured, else the user (``auto``)."""
+    by_key = source == "key" or (source == "auto" and api_keys.enabled)
+
+    def tenant_of(owner: str, user: str) -> tuple[str, float]:
+        if by_key:
+            return api_keys.tenant(owner)
+        return user, 0.0
+
+    return tenant_of
+
+
 class GatewayApp:
     """A running gateway. ``redis`` and ``hf_tokenizer`` may be injected (tests share them)."""
 
@@ -84,7 +98,8 @@ class GatewayApp:
                                          tokens_per_key=TokenRateLimits(s.max_tokens_per_key_per_minute),
                                          max_buffered_outputs=s.max_buffered_outputs, metrics=metrics,
                                          tool_parser=s.tool_call_parser, sampling_defaults=defaults,
-                                         worker_wait_s=s.worker_wait_s)
+                                         worker_wait_s=s.worker_wait_s,
+                                         tenant_of=tenant_resolver(api_keys, s.tenant_from))
         metrics.streams.set_function(lambda: self.service.in_flight)
         self.lifecycle = build_server(self.service, s, api_keys, registry)
         self.port = self.lifecycle.bind(f"{s.host}:{s.port}", s.tls)

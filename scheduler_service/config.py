@@ -35,6 +35,9 @@ class SchedulerConfig(ServerConfig, MetricsConfig, SchedulingConfig, RedisConfig
     consumer: str = setting(default_factory=default_consumer, help="consumer name in the Redis group")
     max_queued_per_worker: int = setting(
         0, minimum=0, help="requests pulled per worker beyond its batch (0: as many as max-num-seqs)")
+    max_tenant_labels: int = setting(
+        32, minimum=0, help="tenants that get their own label in the per-tenant metrics (queue time, tokens); later ones "
+                            "count as 'other' (a tenant may be a client's user field: the label set stays bounded)")
     stream_interval: int = setting(
         1, minimum=1, help="publish a running request's tokens once this many wait (its first and last at once): fewer, "
                 "larger messages through Redis, gateways and client streams, so less CPU per token where they "

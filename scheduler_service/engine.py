@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
@@ -40,6 +41,9 @@ from servicekit.contract.step import EngineCoreOutput, FinishReason, SchedulerOu
 from servicekit.contract.worker import WorkerDescription
 from servicekit.proto.queue import engine_output_to_bytes, output_record_to_bytes
 from servicekit.serving import cancel_requested
+
+if TYPE_CHECKING:
+    from scheduler_service.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,8 @@ def resumable_copy(request: Request) -> Request:
     another worker's core: it recomputes prompt + outputs and continues at the next index."""
     return Request(request.request_id, request.prompt_token_ids, request.sampling_params,
                    arrival_time=request.arrival_time, priority=request.priority, cache_salt=request.cache_salt,
-                   output_token_ids=request.output_token_ids)
+                   output_token_ids=request.output_token_ids, tenant=request.tenant,
+                   tenant_weight=request.tenant_weight)
 
 
 class WorkerEngine:
@@ -79,12 +84,12 @@ class WorkerEngine:
     def __init__(self, client: WorkerClient, description: WorkerDescription, core: Scheduler,
                  intake: RequestIntake, *, max_queued: int, on_finished: Callable[[int, int], None],
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None] | None = None,
-                 on_queue_time: Callable[[str, float], None] | None = None, stream_interval: int = 1,
+                 metrics: RequestMetrics | None = None, stream_interval: int = 1,
                  async_scheduling: bool = False) -> None:
         self.client = client
         self._async_scheduling = async_scheduling
         self._batcher = StreamBatcher(stream_interval)
-        self._on_queue_time = on_queue_time  # (model, seconds from arrival) at a request's first scheduling
+        self._metrics = metrics  # queue times and tokens per tenant
         self.address = client.address
         self.worker_id = description.worker_id
         self.description = description
@@ -181,7 +186,7 @@ class WorkerEngine:
         for new in new_reqs:
             request = self.core.requests.get(new.request_id)
             if request is not None and not new.output_token_ids and request.num_preemptions == 0:
-                self._on_queue_time(self.description.model, max(0.0, now - request.arrival_time))
+                self._metrics.queue_time(self.description.model, request.tenant, max(0.0, now - request.arrival_time))
 
     async def run(self) -> None:
         """Step until cancelled or the worker is lost (then hand every held request back)."""
@@ -208,7 +213,7 @@ class WorkerEngine:
                     except asyncio.TimeoutError:
                         pass
                     continue
-                if self._on_queue_time is not None:
+                if self._metrics is not None:
                     self._observe_queue_times(scheduler_output.scheduled_new_reqs)
                 await self._run_steps(scheduler_output)
         except WorkerLostError as exc:
@@ -264,6 +269,8 @@ class WorkerEngine:
             self._head_started = now  # the step sent ahead (if any) starts now
             self.num_steps += 1
             outputs = core.update_from_output(scheduler_output, runner_output)
+            if self._metrics is not None and core.tenant_usage:
+                self._metrics.finished(self.description.model, core.take_tenant_usage())
             await self._publish(self._batcher.take(outputs))
             scheduler_output = following
             if following is not None:

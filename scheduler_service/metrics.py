@@ -1,6 +1,6 @@
 """The scheduler's Prometheus metrics, read from :meth:`SchedulerApp.stats` at each scrape.
 
-Pulled, not pushed (all but the queue-time histogram, observed by each ``WorkerEngine``): the
+Pulled, not pushed (all but :class:`RequestMetrics`, observed by each ``WorkerEngine``): the
 scheduler's counters and queue lengths already exist (the ``Stats`` RPC
 shows them), so a collector turns one consistent snapshot into metric families, and no code in
 the scheduling path changes for metrics. The scrape runs on the scheduler's event loop
@@ -15,19 +15,53 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from servicekit.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
 
 
-def queue_time_histogram(registry: CollectorRegistry) -> Callable[[str, float], None]:
-    """``observe(model, seconds)`` of vLLM's ``request_queue_time_seconds``: a request's time from
-    its arrival (the gateway's clock) to its first scheduling (``WorkerEngine``)."""
-    histogram = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduling.",
-                          ["model_name"], buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
-    return lambda model, seconds: histogram.labels(model).observe(seconds)
+DEFAULT_TENANT_LABEL = "default"  # the label of tenant "" (no keys, no user field)
+OTHER_TENANTS_LABEL = "other"  # the label of every tenant past the bound
+
+
+class RequestMetrics:
+    """What each ``WorkerEngine`` observes of its requests: vLLM's ``request_queue_time_seconds``
+    (arrival at the gateway to first scheduling) and, per tenant, the prompt and generated tokens
+    of finished requests (``tenant_prompt_tokens`` / ``tenant_generation_tokens``). The tenant is a
+    label: the first ``max_tenants`` tenants seen keep their own, every later one counts as
+    ``other`` (a tenant may be a client's ``user`` field: the label set stays bounded)."""
+
+    def __init__(self, registry: CollectorRegistry, max_tenants: int) -> None:
+        labels = ["model_name", "tenant"]
+        self._queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                     labels, buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+        self._prompt = Counter(PREFIX + "tenant_prompt_tokens", "Prompt tokens of finished requests "
+                               "(aborted ones included), per tenant.", labels, registry=registry)
+        self._generation = Counter(PREFIX + "tenant_generation_tokens", "Tokens generated for finished requests "
+                                   "(aborted ones included), per tenant.", labels, registry=registry)
+        self._max_tenants = max_tenants
+        self._labels: dict[str, str] = {}
+
+    def label(self, tenant: str) -> str:
+        """The tenant's label value: its own while within the bound, else ``other``."""
+        label = self._labels.get(tenant)
+        if label is None:
+            label = OTHER_TENANTS_LABEL
+            if len(self._labels) < self._max_tenants:
+                label = self._labels[tenant] = tenant or DEFAULT_TENANT_LABEL
+        return label
+
+    def queue_time(self, model: str, tenant: str, seconds: float) -> None:
+        self._queue_time.labels(model, self.label(tenant)).observe(seconds)
+
+    def finished(self, model: str, usage: dict[str, list[int]]) -> None:
+        """``usage``: ``{tenant: [prompt tokens, generated tokens]}`` (``Scheduler.take_tenant_usage``)."""
+        for tenant, (num_prompt, num_generated) in usage.items():
+            label = self.label(tenant)
+            self._prompt.labels(model, label).inc(num_prompt)
+            self._generation.labels(model, label).inc(num_generated)
 
 
 class SchedulerCollector(Collector):

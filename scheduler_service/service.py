@@ -34,7 +34,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
 from scheduler_service.intake import ClaimedEntry, RequestEntry, RequestIntake
-from scheduler_service.metrics import SchedulerCollector, queue_time_histogram
+from scheduler_service.metrics import RequestMetrics, SchedulerCollector
 from scheduler_service.routing import choose_engine
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.workers import WorkerPool
@@ -136,7 +136,7 @@ class SchedulerApp:
                                on_change=self._on_pool_change, on_lost=self._resume_lost,
                                on_finished=self._count_finished, stranded=lambda: len(self._backlog),
                                on_starving=self._hand_back_backlog,
-                               on_queue_time=queue_time_histogram(self.lifecycle.registry))
+                               metrics=RequestMetrics(self.lifecycle.registry, s.max_tenant_labels))
         abort_cursor = await self.intake.last_abort_id()  # before intake: no abort slips between
         await self.pool.start()
         self._tasks = [
@@ -237,7 +237,7 @@ class SchedulerApp:
             request = Request(record.request_id, record.prompt_token_ids, record.sampling_params,
                               arrival_time=record.arrival_time, priority=record.priority,
                               cache_salt=record.cache_salt or None, output_token_ids=delivered or (),
-                              tenant=record.tenant)
+                              tenant=record.tenant, tenant_weight=record.tenant_weight)
         except (InvalidArgumentError, DecodeError) as exc:
             field = getattr(exc, "field", "")
             log.warning("refusing malformed request %s: %s", entry.request_id, exc)

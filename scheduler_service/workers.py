@@ -31,6 +31,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from redis.exceptions import RedisError
@@ -46,6 +47,9 @@ from servicekit.contract.worker import WorkerDescription
 from servicekit.redis_layout import RedisKeys
 from servicekit.registry import Heartbeat, SchedulerRecord, list_schedulers, list_workers
 from servicekit.serving import cancel_and_wait, cancel_requested
+
+if TYPE_CHECKING:
+    from scheduler_service.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +73,9 @@ class WorkerPool:
                  on_lost: Callable[[WorkerEngine, list[tuple[Request, str]]], None],
                  on_finished: Callable[[int, int], None], stranded: Callable[[], int] = lambda: 0,
                  on_starving: Callable[[], Awaitable[None]] | None = None,
-                 on_queue_time: Callable[[str, float], None] | None = None) -> None:
+                 metrics: RequestMetrics | None = None) -> None:
         self.settings = settings
-        self._on_queue_time = on_queue_time
+        self._metrics = metrics
         self._redis = redis
         self._keys = keys
         self._intake = intake
@@ -348,7 +352,7 @@ class WorkerPool:
         engine = WorkerEngine(client, description, core, self._intake,
                               max_queued=s.max_queued_per_worker or core.config.max_num_seqs,
                               on_finished=self._on_finished, on_lost=self._engine_lost,
-                              on_queue_time=self._on_queue_time, stream_interval=s.stream_interval,
+                              metrics=self._metrics, stream_interval=s.stream_interval,
                               async_scheduling=s.async_scheduling)
         self.engines[address] = engine
         self._engine_tasks[address] = asyncio.create_task(engine.run(), name=f"engine {address}")

@@ -9,7 +9,10 @@ digest with every configured digest through :func:`hmac.compare_digest` (no earl
 time a check takes says nothing about how close a guess was.
 
 Key file format: one key per line; blank lines and lines starting with ``#`` are skipped; a line
-``sha256:<64 hex digits>`` is a key's digest. A key file is re-read when its modification time
+``sha256:<64 hex digits>`` is a key's digest. After the key, separated by whitespace, a line may
+name the key's tenant and its weight in fair shares: ``KEY tenant=team-a weight=2`` (the
+scheduler's ``--policy fair``; without a name the tenant is the key's digest, without a weight 1).
+A key itself therefore holds no whitespace. A key file is re-read when its modification time
 changes (checked at most once a second), so keys are revoked or added without a restart.
 
 Invariants: ``KeyStore.enabled`` is False only when no key is configured at all (the service is
@@ -22,11 +25,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from servicekit.contract.errors import ResourceExhaustedError, UnauthenticatedError
 
@@ -42,21 +47,55 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _parse_entry(line: str) -> str | None:
-    """A key file line (or an env var item) as a digest; None for blanks and comments."""
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """One configured key: its digest, and the tenant it serves (``""``: the digest) with its weight."""
+
+    digest: str
+    tenant: str = ""
+    weight: float = 1.0
+
+
+def _parse_entry(line: str) -> KeyEntry | None:
+    """A key file line (or an env var item); None for blanks and comments. Raises ValueError
+    naming what is wrong (never the key)."""
     text = line.strip()
     if not text or text.startswith("#"):
         return None
-    if text.lower().startswith(DIGEST_PREFIX):
-        hexdigest = text[len(DIGEST_PREFIX):].strip().lower()
+    key, *options = text.split()
+    if key.lower().startswith(DIGEST_PREFIX):
+        hexdigest = key[len(DIGEST_PREFIX):].lower()
         if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
             raise ValueError("a 'sha256:' key entry must be followed by 64 hex digits")
-        return hexdigest
-    return key_digest(text)
+    else:
+        hexdigest = key_digest(key)
+    fields = {"tenant": "", "weight": "1"}
+    for k, option in enumerate(options, 2):
+        name, sep, value = option.partition("=")
+        if not sep or name not in fields or not value:  # the text is not shown: it may be part of a key
+            raise ValueError(f"field {k} is not tenant=NAME or weight=NUMBER (a key holds no whitespace)")
+        fields[name] = value
+    try:
+        weight = float(fields["weight"])
+    except ValueError:
+        weight = math.nan
+    if not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"weight must be a positive number, got {fields['weight']!r}")
+    return KeyEntry(hexdigest, fields["tenant"], weight)
 
 
-def digests_of(entries: Iterable[str]) -> frozenset[str]:
-    return frozenset(d for d in (_parse_entry(e) for e in entries) if d is not None)
+def entries_of(lines: Iterable[str]) -> dict[str, KeyEntry]:
+    """Configured keys by digest (a later line for the same key wins). Raises ValueError naming
+    the line at fault."""
+    entries: dict[str, KeyEntry] = {}
+    for number, line in enumerate(lines, 1):
+        try:
+            entry = _parse_entry(line)
+        except ValueError as exc:
+            raise ValueError(f"entry {number}: {exc}") from None
+        if entry is not None:
+            entries[entry.digest] = entry
+    return entries
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -84,9 +123,11 @@ class KeyStore:
 
     def __init__(self, keys: Iterable[str] = (), keys_file: str = "", *, what: str = "API key") -> None:
         self._what = what
-        self._fixed = digests_of(keys)
+        self._fixed_entries = entries_of(keys)
+        self._fixed = frozenset(self._fixed_entries)
         self._file = keys_file
         self._file_mtime: float | None = None
+        self._file_entries: dict[str, KeyEntry] = {}
         self._file_digests: frozenset[str] = frozenset()
         self._next_check = 0.0
         self._lock = threading.Lock()
@@ -100,7 +141,8 @@ class KeyStore:
         """A store admitting exactly ``secret`` (taken literally, even if it looks like a digest);
         empty: an open store."""
         store = cls(what=what)
-        store._fixed = frozenset([key_digest(secret)]) if secret else frozenset()
+        store._fixed_entries = {key_digest(secret): KeyEntry(key_digest(secret))} if secret else {}
+        store._fixed = frozenset(store._fixed_entries)
         return store
 
     @property
@@ -113,8 +155,8 @@ class KeyStore:
     def _load_file(self) -> None:
         mtime = os.stat(self._file).st_mtime_ns
         with open(self._file, encoding="utf-8") as f:
-            digests = digests_of(f)
-        self._file_digests, self._file_mtime = digests, mtime
+            entries = entries_of(f)
+        self._file_entries, self._file_digests, self._file_mtime = entries, frozenset(entries), mtime
 
     def _digests(self) -> frozenset[str]:
         if self._file:
@@ -134,6 +176,15 @@ class KeyStore:
             log.warning("%s file %s not reloaded: %s", self._what, self._file, exc)
             return
         log.info("%s file %s reloaded: %d keys", self._what, self._file, len(self._file_digests))
+
+    def tenant(self, digest: str) -> tuple[str, float]:
+        """The tenant a key serves and its weight: the key's ``tenant=`` name (else its digest)
+        and ``weight=`` (else 1); ``("", 1.0)`` for ``""`` (no keys configured)."""
+        if not digest:
+            return "", 1.0
+        self._digests()  # the file as it is now
+        entry = self._file_entries.get(digest) or self._fixed_entries.get(digest) or KeyEntry(digest)
+        return entry.tenant or entry.digest, entry.weight
 
     def check(self, authorization: str | None) -> str:
         """The digest of the key in ``authorization`` (an ``Authorization`` header value), or

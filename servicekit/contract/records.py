@@ -22,6 +22,7 @@ class RequestRecord:
     priority: int = 0  # lower runs first under priority scheduling
     cache_salt: str = ""  # prefix-cache salt; "" = none
     tenant: str = ""  # whose fair share it counts against (scheduling policy "fair"); "" = the one default
+    tenant_weight: float = 0.0  # the tenant's weight in fair shares; 0 = not given (1)
 
 
 @dataclass(slots=True)

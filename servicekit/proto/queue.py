@@ -27,7 +27,8 @@ _STATUS_NAME = {number: name for name, number in _STATUS_NUMBER.items()}
 def request_record_to_bytes(record: RequestRecord) -> bytes:
     msg = queue_pb2.EngineRequest(
         request_id=record.request_id, prompt_token_ids=record.prompt_token_ids, arrival_time=record.arrival_time,
-        deadline=record.deadline, priority=record.priority, cache_salt=record.cache_salt, tenant=record.tenant)
+        deadline=record.deadline, priority=record.priority, cache_salt=record.cache_salt, tenant=record.tenant,
+        tenant_weight=record.tenant_weight)
     sampling_params_to_pb(record.sampling_params, msg.sampling_params)
     return msg.SerializeToString()
 
@@ -39,7 +40,7 @@ def request_record_from_bytes(data: bytes) -> RequestRecord:
     return RequestRecord(
         msg.request_id, list(msg.prompt_token_ids), sampling_params_from_pb(msg.sampling_params, trusted=True),
         arrival_time=msg.arrival_time, deadline=msg.deadline, priority=msg.priority, cache_salt=msg.cache_salt,
-        tenant=msg.tenant)
+        tenant=msg.tenant, tenant_weight=msg.tenant_weight)
 
 
 def _output_msg(token_ids, first_index: int, finish_reason, num_cached_tokens: int, logprobs, prompt_logprobs

@@ -44,6 +44,37 @@ def test_no_keys_means_open_and_a_bad_key_file_fails_at_start_up(tmp_path):
         KeyStore((), str(bad))
 
 
+def test_a_key_file_line_names_the_key_s_tenant_and_weight(tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"alpha-key tenant=team-a weight=2.5\nsha256:{key_digest('beta-key')} tenant=team-b\n"
+                         "gamma-key\n")
+    store = KeyStore(["env-key weight=3"], str(keys_file))
+    assert store.tenant(store.check("Bearer alpha-key")) == ("team-a", 2.5)
+    assert store.tenant(store.check("Bearer beta-key")) == ("team-b", 1.0)
+    assert store.tenant(store.check("Bearer gamma-key")) == (key_digest("gamma-key"), 1.0)  # unnamed: the digest
+    assert store.tenant(store.check("Bearer env-key")) == (key_digest("env-key"), 3.0)
+    assert KeyStore().tenant("") == ("", 1.0)
+    with pytest.raises(UnauthenticatedError):
+        store.check("Bearer alpha-key tenant=team-a")  # the options are not part of the key
+
+
+@pytest.mark.parametrize("line, match", [
+    ("secret-key tenant=", "entry 2: field 2 is not tenant=NAME"),
+    ("secret-key color=red", "entry 2: field 2 is not tenant=NAME"),
+    ("secret key", "entry 2: field 2 is not tenant=NAME"),  # a key with a space: refused, not half-read
+    ("secret-key weight=0", "weight must be a positive number"),
+    ("secret-key weight=-1", "weight must be a positive number"),
+    ("secret-key weight=inf", "weight must be a positive number"),
+    ("secret-key weight=heavy", "weight must be a positive number"),
+])
+def test_a_bad_tenant_option_fails_at_start_up_without_showing_the_key(tmp_path, line, match):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"good-key\n{line}\n")
+    with pytest.raises(ValueError, match=match) as caught:
+        KeyStore((), str(keys_file))
+    assert "secret" not in str(caught.value)
+
+
 def test_the_key_file_reloads_and_a_broken_rewrite_keeps_the_old_keys(tmp_path, monkeypatch, caplog):
     import servicekit.auth as auth
 
