@@ -18,12 +18,13 @@ from servicekit import redis_client, sampling_defaults
 from servicekit.auth import ConcurrencyLimits, KeyStore, TokenRateLimits
 from servicekit.contract.errors import UnavailableError
 from servicekit.flags import service_parser, settings_kwargs
-from servicekit.serving import StartupError, is_loopback, service_main
+from servicekit.serving import StartupError, cancel_and_wait, is_loopback, service_main
 from servicekit.tls import describe as describe_link
 
 log = logging.getLogger("pagedserve.gateway")
 
 HAND_OVER_S = 2.0  # past the drain grace: for live calls to end UNAVAILABLE before the server stops
+READINESS_CHECK_S = 1.0  # how often the Generation service's grpc.health.v1 status follows readiness
 
 
 def tenant_resolver(api_keys: KeyStore, source: str):
@@ -54,6 +55,7 @@ class GatewayApp:
         self._fanout = None
         self._http = None
         self._responses = None
+        self._readiness_task: asyncio.Task | None = None
         self.port = 0
         self.http_port = -1  # -1: no HTTP API
 
@@ -120,12 +122,34 @@ class GatewayApp:
         self._limits.start()
         self._fanout.start()
         await self.lifecycle.start()
+        await self._publish_readiness()
+        self._readiness_task = asyncio.create_task(self._track_readiness(), name="gateway readiness")
         if self._http is not None:
             await self._http.start()
         log.info("gateway %s for %s listening on %s:%d (gRPC), HTTP %s (%s, %s)", s.gateway_id, s.model, s.host,
                  self.port, f"on {s.http_host or s.host}:{self.http_port}" if self._http is not None else "off",
                  describe_link(s.tls),
                  f"{len(api_keys)} API keys" if api_keys.enabled else "no API keys")
+
+    async def _publish_readiness(self) -> bool:
+        """grpc.health.v1 of pagedserve.v1.Generation is readiness, as /readyz (the overall ""
+        status is liveness): SERVING while a request sent now is admitted and served."""
+        ready, _missing = await self.service.readiness()
+        await self.lifecycle.set_serving(ready)
+        return ready
+
+    async def _track_readiness(self) -> None:
+        ready = None
+        while True:
+            await asyncio.sleep(READINESS_CHECK_S)
+            try:
+                now = await self._publish_readiness()
+            except Exception as exc:  # noqa: BLE001 - Redis away: the next round tells
+                log.debug("readiness not checked: %s", exc)
+                continue
+            if now != ready and ready is not None:
+                log.info("gateway %s (the Generation service's grpc.health.v1 status)", "ready" if now else "not ready")
+            ready = now
 
     def _key_store(self) -> KeyStore:
         s = self.settings
@@ -158,6 +182,8 @@ class GatewayApp:
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         if self.service is not None:
             self.service.draining = True
+        if self._readiness_task is not None:
+            await cancel_and_wait([self._readiness_task])
         if self.lifecycle is not None:
             await self.lifecycle.drain(grace + HAND_OVER_S, lambda: self._finish_or_hand_over(grace))
         if self._responses is not None:  # background responses still produced here: taken over elsewhere

@@ -182,8 +182,9 @@ class ServerLifecycle:
     """A ``grpc.aio`` server with health checking and reflection for ``service_names``.
 
     Health: the overall status ("") and each named service are SERVING after :meth:`start` and
-    NOT_SERVING from the moment :meth:`drain` begins. ``registry`` holds the service's Prometheus
-    metrics, the gRPC server's among them.
+    NOT_SERVING from the moment :meth:`drain` begins; a service may also turn its named services'
+    status with :meth:`set_serving` (readiness: the overall status stays liveness). ``registry``
+    holds the service's Prometheus metrics, the gRPC server's among them.
     """
 
     def __init__(self, service_names: Iterable[str], *, interceptors: Iterable = (), reflection_on: bool = True,
@@ -219,6 +220,15 @@ class ServerLifecycle:
         await self.server.start()
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_serving(self, serving: bool) -> None:
+        """The named services' status (not the overall one): SERVING or NOT_SERVING. Ignored once
+        draining (all stay NOT_SERVING)."""
+        if self.draining:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.service_names:
+            await self.health.set(name, status)
 
     async def drain(self, grace_s: float, wait_idle: Callable[[], Awaitable[None]] | None = None) -> None:
         """NOT_SERVING now; then wait for ``wait_idle`` (the service's own in-flight work) at most

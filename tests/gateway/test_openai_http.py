@@ -525,10 +525,26 @@ def get(port: int, path: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+async def grpc_health(port: int) -> tuple[str, str]:
+    """The gateway's grpc.health.v1 statuses: the whole server ("": liveness) and the Generation
+    service (readiness)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from servicekit.proto.pb import GENERATION_SERVICE
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        replies = [await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                   for name in ("", GENERATION_SERVICE)]
+    return tuple(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status) for r in replies)
+
+
 async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_tokenizer):
     """/health (and /ping, /readyz) is readiness: 503 naming what is missing while no worker of the model is
     registered, or one is but no scheduler drives it; 200 on the serving stack. /livez is 200 all
-    along (the process answers)."""
+    along (the process answers). Over gRPC the same: the Generation service's health status is
+    readiness, the whole server's ("") liveness."""
     from gateway_service.config import GatewayConfig
     from gateway_service.main import GatewayApp
 
@@ -539,6 +555,7 @@ async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_to
         status, said = await asyncio.to_thread(get, alone.http_port, "/health")
         assert status == 503 and "no worker serving" in said, said
         assert (await asyncio.to_thread(get, alone.http_port, "/livez"))[0] == 200
+        assert await grpc_health(alone.port) == ("SERVING", "NOT_SERVING")
     finally:
         await alone.drain(1)
     async with queue_limited_gateway(stack, hf_tokenizer, "health-undriven:", 2) as (gateway, _redis, _keys):
@@ -546,9 +563,11 @@ async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_to
             status, said = await asyncio.to_thread(get, gateway.http_port, path)
             assert status == 503 and "no scheduler drives" in said, said
         assert (await asyncio.to_thread(get, gateway.http_port, "/livez"))[0] == 200
+        assert await grpc_health(gateway.port) == ("SERVING", "NOT_SERVING")
     status, said = await asyncio.to_thread(http, stack, "GET", "/health")
     assert status == 200 and said["serving"] is True, said
     assert (await asyncio.to_thread(http, stack, "GET", "/readyz"))[0] == 200
+    assert await grpc_health(int(stack.gateway_address.rsplit(":", 1)[1])) == ("SERVING", "SERVING")
     # scale from zero: a gateway that lets requests wait for a worker is ready without one, and says so
     waiting = GatewayApp(GatewayConfig(model=stack.model, port=0, http_port=0, redis_url=stack.redis_url,
                                        key_prefix="health-zero:", worker_wait_s=30), hf_tokenizer=hf_tokenizer)
@@ -557,6 +576,7 @@ async def test_health_is_ready_only_when_a_completion_can_be_served(stack, hf_to
         status, said = await asyncio.to_thread(get, waiting.http_port, "/health")
         said = json.loads(said)
         assert status == 200 and said["serving"] is False and "wait up to 30 s" in said["detail"], said
+        assert await grpc_health(waiting.port) == ("SERVING", "SERVING")
     finally:
         await waiting.drain(1)
 
