@@ -15,6 +15,7 @@ request does not pay for it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -79,6 +80,7 @@ def _compiler() -> str:
     return path
 
 
+@functools.cache  # read once: the per-layer path asks for the flags on every call
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,7 +91,12 @@ def _cpu_flags() -> str:
 
 def cpu_flags() -> frozenset[str]:
     """The feature flags of this machine's CPU (``/proc/cpuinfo``; empty where there is none)."""
-    _, _, flags = _cpu_flags().partition(":")
+    return _parse_flags(_cpu_flags())
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_flags(line: str) -> frozenset[str]:
+    _, _, flags = line.partition(":")
     return frozenset(flags.split())
 
 
