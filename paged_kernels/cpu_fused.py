@@ -26,6 +26,7 @@ _SIGNATURES = {
     "rms_norm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32],
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32],
     "silu_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64, _I32],
+    "refine_logits_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I32],
 }
 
 
@@ -95,4 +96,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, inter), dtype=torch.bfloat16)
     _entry("silu_mul_bf16")(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
                             torch.get_num_threads())
+    return out
+
+
+def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 logits ``[N, V]`` of the LM-head GEMM's bf16 output ``logits`` ``[N, V]``, with the ``k``
+    largest of each row (ties to the lower token id) recomputed in fp32 from ``hidden`` ``[N, D]``
+    and ``weight`` ``[V, D]`` (bf16 rows): what ``LlamaForCausalLM.compute_logits`` computes with
+    torch's ``float``, ``topk``, ``einsum`` and ``scatter_``, in one pass per row. The exact values'
+    sums run in a fixed order of their own (not torch's): each row's result is the same in any batch."""
+    if not (_rows(logits) and _rows(hidden) and _rows(weight) and logits.dtype == hidden.dtype == weight.dtype
+            == torch.bfloat16 and logits.shape[0] == hidden.shape[0] and logits.shape[1] == weight.shape[0]
+            and hidden.shape[1] == weight.shape[1] and 0 <= k <= 64):
+        raise ValueError("refine_logits: logits [N, V], hidden [N, D] and weight [V, D] must be bf16 rows, k <= 64 "
+                         f"(got {tuple(logits.shape)}, {tuple(hidden.shape)}, {tuple(weight.shape)}, k={k})")
+    out = torch.empty(logits.shape, dtype=torch.float32)
+    _entry("refine_logits_bf16")(
+        logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0),
+        out.data_ptr(), out.stride(0), logits.shape[0], logits.shape[1], hidden.shape[1], k, torch.get_num_threads())
     return out

@@ -146,13 +146,22 @@ class Sampler:
             logits = mask_to_allowed(logits, meta.allowed_tokens)
         if meta.grammar_mask is not None:
             logits = mask_to_grammar(logits, meta.grammar_mask)
-        token_ids = logits.argmax(dim=-1)  # [N]; exact greedy (first index on ties, as torch/HF)
+        token_ids = first_argmax(logits)  # [N]; exact greedy (first index on ties, as torch/HF)
         if not meta.all_greedy:
             token_ids = _sample_random_rows(logits, meta, token_ids)
         out.token_ids = token_ids
         if meta.max_num_logprobs is not None:
             out.logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
         return out
+
+
+def first_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)`` (the first index on ties; a NaN wins): on the CPU as ``max``'s
+    indices, which torch computes 2.6x faster there for [64, 49152] fp32 rows (0.79 vs 2.04 ms
+    on 2 threads) with the same tie and NaN rules."""
+    if scores.device.type == "cpu":
+        return scores.max(dim=-1).indices
+    return scores.argmax(dim=-1)
 
 
 def mask_to_allowed(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -184,7 +193,7 @@ def _sample_random_rows(logits: torch.Tensor, meta: SamplingMetadata, token_ids:
     scores = apply_filters(scores, top_k, top_p, min_p)
     noise = gumbel_noise(meta.seeds[rows], meta.positions[rows], scores.shape[-1])
     token_ids = token_ids.clone()
-    token_ids[rows] = (scores + noise).argmax(dim=-1)
+    token_ids[rows] = first_argmax(scores + noise)
     return token_ids
 
 

@@ -92,3 +92,59 @@ void silu_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t o_str
         }
     }
 }
+
+/* The logits of the rows that sample, from the LM-head GEMM's bf16 output: out[r] = fp32(logits[r]),
+ * except that the `k` largest of each row (ties to the lower token id) are recomputed exactly, as
+ * the fp32 dot product of the row's hidden state with the token's weight row (bf16 operands widened,
+ * fp32 sums in a fixed order). A bf16 output has steps of 1/16 at a logit of 10: near-ties become
+ * exact ties, and only the few largest decide greedy decoding and the head of a sampled
+ * distribution. One pass per row (widen, store, keep the k largest: a block of 16 is looked at one
+ * by one only when its max beats the k-th kept), then k dot products; each row on its own, so a
+ * row's result never depends on the batch. k <= 64. */
+#define REFINE_MAX_K 64
+void refine_logits_bf16(const bf16_t *logits, int64_t l_stride, const bf16_t *hidden, int64_t h_stride,
+                        const bf16_t *weight, int64_t w_stride, float *out, int64_t o_stride,
+                        int64_t rows, int64_t vocab, int64_t dim, int k, int num_threads)
+{
+    if (k > vocab) k = (int)vocab;
+    if (k > REFINE_MAX_K) k = REFINE_MAX_K;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (rows * vocab >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16_t *l = logits + r * l_stride;
+        float *o = out + r * o_stride;
+        float top_value[REFINE_MAX_K];  /* the k largest so far, descending; ids ascending among ties */
+        int64_t top_id[REFINE_MAX_K];
+        int kept = 0;
+        float threshold = -INFINITY;  /* a value must beat it to be kept (the k-th kept, once k are) */
+        for (int64_t start = 0; start < vocab; start += 16) {
+            const int64_t n = vocab - start < 16 ? vocab - start : 16;
+            float block_max = -INFINITY;
+            for (int64_t i = 0; i < n; i++) {
+                const float v = bf16_to_f32(l[start + i]);
+                o[start + i] = v;
+                block_max = v > block_max ? v : block_max;
+            }
+            if (!(block_max > threshold) && kept == k) continue;
+            for (int64_t i = 0; i < n; i++) {
+                const float v = o[start + i];
+                if (kept == k && !(v > threshold)) continue;
+                int at = kept < k ? kept++ : k - 1;  /* the slot it takes: the end, or the k-th's */
+                while (at > 0 && top_value[at - 1] < v) {
+                    top_value[at] = top_value[at - 1];
+                    top_id[at] = top_id[at - 1];
+                    at--;
+                }
+                top_value[at] = v;
+                top_id[at] = start + i;
+                if (kept == k) threshold = top_value[k - 1];
+            }
+        }
+        const bf16_t *h = hidden + r * h_stride;
+        for (int j = 0; j < kept; j++) {
+            const bf16_t *w = weight + top_id[j] * w_stride;
+            float sum = 0.f;
+            for (int64_t d = 0; d < dim; d++) sum += bf16_to_f32(h[d]) * bf16_to_f32(w[d]);
+            o[top_id[j]] = sum;
+        }
+    }
+}

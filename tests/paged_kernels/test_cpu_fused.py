@@ -126,6 +126,60 @@ def test_silu_mul_plain_c_loop_matches_too(monkeypatch, tmp_path, extra):
     assert [p.name for p in tmp_path.iterdir()][0].startswith("cpu_fused_ops-")  # built with `extra`
 
 
+def torch_refined_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """compute_logits' torch code: the k largest of each row recomputed in fp32."""
+    out = logits.float()
+    top = out.topk(k, dim=-1).indices
+    out.scatter_(1, top, torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float()))
+    return out
+
+
+def lm_head(rows: int, vocab: int = 3000, dim: int = 96, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, dim, generator=gen) * 0.1).to(torch.bfloat16)
+    hidden = torch.randn(rows, dim, generator=gen).to(torch.bfloat16)
+    return hidden, weight, torch.nn.functional.linear(hidden, weight)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7, 64])  # 64 x 3,000: the multi-threaded path
+def test_refined_logits_match_the_torch_code(rows):
+    hidden, weight, logits = lm_head(rows)
+    got = cpu_fused.refine_logits(logits, hidden, weight, 8)
+    expected = torch_refined_logits(logits, hidden, weight, 8)
+    assert got.dtype == torch.float32 and got.shape == logits.shape
+    assert ((got != logits.float()).sum(dim=1) <= 8).all()
+    # The sets refined may differ only among values tied with the 8th largest (torch's topk picks
+    # any of them, the kernel the lowest ids); where both refined, the sums agree.
+    kth = logits.float().topk(8, dim=-1).values[:, -1:]
+    differ = ~torch.isclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert (logits.float()[differ] == kth.expand_as(logits)[differ]).all()
+    assert differ.sum() <= rows * 8
+    assert torch.equal(got.argmax(dim=-1), expected.argmax(dim=-1))
+    # exactly: the 8 largest bf16 values (ties to the lower id) take the fp32 product, the rest stay
+    top = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :8]
+    exact = hidden.float() @ weight.float().T
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), atol=1e-5, rtol=1e-5)
+    kept = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[kept], logits.float()[kept])
+
+
+@needs_native
+def test_refined_logits_break_ties_toward_the_lower_token_id_and_ignore_the_batch():
+    hidden, weight, _ = lm_head(5, vocab=40)
+    logits = torch.zeros(5, 40, dtype=torch.bfloat16)  # every value tied: the first k ids are refined
+    logits[:, 30] = 1.0  # ... after the one larger value
+    got = cpu_fused.refine_logits(logits, hidden, weight, 4)
+    exact = hidden.float() @ weight.float().T
+    for row in range(5):
+        refined = (got[row] != logits[row].float()).nonzero().flatten().tolist()
+        assert set(refined) <= {0, 1, 2, 30}
+        torch.testing.assert_close(got[row, [0, 1, 2, 30]], exact[row, [0, 1, 2, 30]], atol=1e-5, rtol=1e-5)
+    hidden, weight, logits = lm_head(9, seed=1)
+    alone = torch.cat([cpu_fused.refine_logits(logits[i:i + 1], hidden[i:i + 1], weight, 8) for i in range(9)])
+    assert torch.equal(alone, cpu_fused.refine_logits(logits, hidden, weight, 8))
+
+
 @needs_native
 def test_bad_arguments_are_refused_by_name():
     norm = bf16_norm()
@@ -145,6 +199,11 @@ def test_bad_arguments_are_refused_by_name():
         cpu_fused.silu_mul(torch.randn(2, 8))
     with pytest.raises(ValueError, match="silu_mul"):
         cpu_fused.silu_mul(torch.randn(2, 7).to(torch.bfloat16))  # no even split into gate and up
+    hidden, weight, logits = lm_head(2)
+    with pytest.raises(ValueError, match=r"refine_logits: logits \[N, V\]"):
+        cpu_fused.refine_logits(logits.float(), hidden, weight, 8)
+    with pytest.raises(ValueError, match="refine_logits"):
+        cpu_fused.refine_logits(logits, hidden[:, :10], weight, 8)
 
 
 def test_only_bf16_cpu_tensors_outside_autograd_take_the_fused_path(monkeypatch):

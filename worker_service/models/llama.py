@@ -153,10 +153,15 @@ class LlamaForCausalLM(nn.Module):
         ties and greedy picks the lower token id. The :data:`REFINED_LOGITS` largest logits of each
         row, the only ones greedy decoding and the head of a sampled distribution depend on, are
         therefore recomputed in fp32 from the same 16-bit operands (a ``[N, k, D]`` product, not a
-        second ``[N, V]`` GEMM). In an fp32 model the GEMM's output is used as is.
+        second ``[N, V]`` GEMM). In an fp32 model the GEMM's output is used as is. A bf16 model on
+        the CPU does the widening, the selection and the products in one C pass per row
+        (``cpu_fused.refine_logits``: ties at the k-th value go to the lower token id).
         """
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = (F.linear(hidden, weight) if self.head_gemm is None else self.head_gemm(hidden)).float()  # [N, V]
+        logits = F.linear(hidden, weight) if self.head_gemm is None else self.head_gemm(hidden)  # [N, V]
+        if logits.shape[0] > 0 and cpu_fused.applies(logits):  # bf16 on the CPU: the same in one pass (C)
+            return cpu_fused.refine_logits(logits, hidden.contiguous(), weight, REFINED_LOGITS)
+        logits = logits.float()
         if weight.dtype != torch.float32 and logits.shape[0] > 0:
             top = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [N, k]
             exact = torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float())  # [N, k]
