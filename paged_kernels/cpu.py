@@ -15,13 +15,14 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   one fp32 SDPA call per group;
 * prefill chunks go through the same C kernel where it has its AVX-512 loop (head sizes 64 and
   128), one row per query token: row j of a chunk attends to the first ``seq_len - q_len + j + 1``
-  positions, its causal prefix. A prompt's K/V stay in L2 while its rows read them, and on these
-  CPUs the kernel ran 2-3x SDPA's CPU flash kernel on prompts of 64-512 tokens, level at 2,048
-  (``python benchmarks/cpu_kernels.py --part prefill``). A row's attention is then the same
+  positions, its causal prefix. A prompt's K/V stay in L2 while its rows read them, and on CPUs
+  without AMX the kernel ran 2-3x SDPA's CPU flash kernel on prompts of 64-512 tokens, level at
+  2,048 (``python benchmarks/cpu_kernels.py --part prefill``). A row's attention is then the same
   arithmetic whether its token was prefilled or decoded, so a recomputed prefill (a resume after a
-  fault) repeats it exactly. Elsewhere (no compiler, no AVX-512, other head sizes) a chunk gathers
-  its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk has no cached
-  context) in the cache's dtype (bf16 SDPA accumulates in fp32).
+  fault) repeats it exactly. On a CPU with AMX, bf16 chunks past ``_SDPA_MIN_PAIRS`` go to SDPA,
+  whose tile GEMMs are 2-4x faster there. Elsewhere (no compiler, no AVX-512, other head sizes) a
+  chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk
+  has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32).
 
 :func:`available` tells whether the C kernel is there.
 """
@@ -145,12 +146,28 @@ def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     it: one kernel row per query token, each over its causal prefix, all rows reading the sequence's
     one block table."""
     fn = _function(query.dtype)
-    if fn is None or not _supported(query, key_cache, value_cache) or not _vectorized(query.shape[2]):
+    q_len = query.shape[0]
+    if (fn is None or not _supported(query, key_cache, value_cache) or not _vectorized(query.shape[2])
+            or _sdpa_is_faster(query.dtype, q_len, seq_len)):
         out.copy_(_prefill(query, key_cache, value_cache, block_table, seq_len, scale))
         return
-    q_len = query.shape[0]
     lengths = torch.arange(seq_len - q_len + 1, seq_len + 1, dtype=torch.int32)
     _run(fn, query, key_cache, value_cache, block_table.to(torch.int32).contiguous(), 0, lengths, scale, out)
+
+
+# On a CPU with AMX tiles torch's SDPA runs a bf16 chunk's attention as tile GEMMs: past about this
+# many (query row, key position) pairs it beats a row per token (python benchmarks/cpu_kernels.py
+# --part prefill; Intel Xeon with AMX-BF16, 2 threads: 32 x 256 even, 512 x 512 2.6x, 64 rows over
+# 1,088 cached positions 2.5x, 2,048 x 2,048 4.5x; below it the C kernel wins, 64 x 64 by 1.5x).
+_SDPA_MIN_PAIRS = 12_288
+
+
+def _sdpa_is_faster(dtype: torch.dtype, q_len: int, seq_len: int) -> bool:
+    """Whether a prefill chunk of ``q_len`` rows over ``seq_len`` positions goes to SDPA rather than
+    the C kernel: bf16, on a CPU with AMX, large enough. Such a chunk's rows are no longer the same
+    arithmetic as decoded rows (bf16 replay after a fault is not bit-exact anyway: GEMMs of other
+    shapes round differently; float32 keeps the C kernel and exact replay)."""
+    return dtype == torch.bfloat16 and native_bf16() == "amx_bf16" and q_len * seq_len >= _SDPA_MIN_PAIRS
 
 
 def _write_function() -> ctypes._CFuncPtr | None:

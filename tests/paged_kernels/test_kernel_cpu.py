@@ -119,6 +119,25 @@ def test_a_row_prefilled_equals_the_row_decoded(paged_batch, bf16_cpu, dtype):
         assert torch.equal(decoded[0], prefilled[j])
 
 
+@needs_prefill_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_with_amx_long_bf16_chunks_go_to_sdpa(paged_batch, monkeypatch, dtype):
+    """On a CPU with AMX, SDPA's tile GEMMs beat a row per token past _SDPA_MIN_PAIRS: bf16 chunks
+    that large go there (and still match the reference); short ones, decode rows and fp32 stay in C."""
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    sdpa_rows = []
+    sdpa = cpu._prefill
+    monkeypatch.setattr(cpu, "_prefill", lambda *args: sdpa_rows.append(args[0].shape[0]) or sdpa(*args))
+    # chunks: 100 rows over 300 positions (30,000 pairs), 8 rows over 40 (320 pairs); one decode row
+    batch = paged_batch(q_lens=[100, 8, 1], seq_lens=[300, 40, 77], num_heads=6, num_kv_heads=2, head_dim=64,
+                        block_size=16, head_major=True, dtype=dtype)
+
+    out = cpu.cpu_paged_attention(*batch.args())
+
+    assert sdpa_rows == ([100] if dtype == torch.bfloat16 else [])
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16_bit_decode_without_native_bf16_takes_the_torch_path(paged_batch, monkeypatch, no_bf16_cpu, dtype):
     calls = []
