@@ -6,8 +6,10 @@
  * them again; this loop reads each cached K/V row once, straight from the cache, with an online
  * softmax (flash-decoding style), so a decode step moves a third of the bytes.
  *
- * Work items are (sequence, KV head) pairs, spread over OpenMP threads; the `group` query heads
- * that share a KV head are handled together, so each K/V row is loaded once for all of them (GQA).
+ * Work items are (sequences, KV head) pairs, spread over OpenMP threads; the `group` query heads
+ * that share a KV head are handled together, so each K/V row is loaded once for all of them (GQA),
+ * and sequences that share their first block (a cached prompt prefix) form one item and go chunk
+ * by chunk together, so a shared block is read from memory once for all of them.
  * The cache may have any strides in its first three dims (block, token in block, KV head); rows of
  * head_dim values must be contiguous. Built by paged_kernels/native.py with -O3 -march=native -fopenmp.
  *
@@ -17,7 +19,7 @@
  * the accumulators are fp32, and only the output row is rounded to bf16 (to nearest even), once.
  *
  * Two loops: plain C (item_scalar: any head size, any CPU) and, when the compiler targets AVX-512,
- * an intrinsics loop for head sizes 64 and 128 (item_avx512: chunks of 128 cached tokens scored 16
+ * an intrinsics loop for head sizes 64 and 128 (seq_chunk: chunks of 128 cached tokens scored 16
  * at a time, softmax by a vector exp, the next block prefetched).
  * Each (head size, dtype) gets its own OpenMP loop, so the head size is a compile-time constant
  * inside it.
@@ -25,6 +27,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -224,8 +227,41 @@ static inline __attribute__((always_inline)) void v_tile_grouped(float acc[][MAX
         for (int j = 0; j < 4; j++) _mm512_store_ps(&acc[g][16 * j], r[g][j]);
 }
 
-/* item_scalar's contract, vectorised (head_dim % 16 == 0). The sequence goes in chunks of up to
- * CHUNK cached tokens, three passes each:
+/* One sequence's running state for one KV head (seq_chunk): its group's query rows and their
+ * online-softmax accumulators. */
+struct seq_state {
+    float q[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    bf16_t qb[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float running_max[MAX_GROUP], denom[MAX_GROUP];
+};
+
+#ifdef __AVX512BF16__
+#define SCORE_DP(BF16) (BF16)  /* bf16 scores by pair dot products: raw bf16 query, scaled afterwards */
+#else
+#define SCORE_DP(BF16) 0
+#endif
+
+/* The state of sequence s, KV head h before its first chunk. */
+static inline __attribute__((always_inline)) void seq_begin(const struct args *a, int s, int h, struct seq_state *st,
+                                                            const int HD, const int BF16)
+{
+    const int64_t elem = BF16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
+    const int DP = SCORE_DP(BF16), NV = HD / 16;
+    for (int g = 0; g < a->group; g++) {
+        const char *qs = a->query + (s * a->q_stride_tok + (int64_t)(h * a->group + g) * a->q_stride_head) * elem;
+        if (DP) memcpy(st->qb[g], qs, HD * sizeof(bf16_t));
+        for (int j = 0; j < NV; j++) {
+            if (!DP) _mm512_store_ps(&st->q[g][16 * j], _mm512_mul_ps(load16(qs, 16 * j, BF16), _mm512_set1_ps(a->scale)));
+            _mm512_store_ps(&st->acc[g][16 * j], _mm512_setzero_ps());
+        }
+        st->running_max[g] = -FLT_MAX;
+        st->denom[g] = 0.f;
+    }
+}
+
+/* item_scalar's contract, vectorised (head_dim % 16 == 0), one chunk at a time: the chunk of
+ * sequence s, KV head h that starts at cached token `chunk` (a multiple of CHUNK), three passes:
  *   1. scores: tiles of up to 16 tokens (one block's), a query head's 16 scores being 16 dot
  *      products (dot16) reduced together (sum16) and stored to the chunk's score rows;
  *   2. the softmax of each query head over the chunk: one max, exp16 over the rows, one rescale of
@@ -235,128 +271,202 @@ static inline __attribute__((always_inline)) void v_tile_grouped(float acc[][MAX
  *      time, bf16 V widened once into L1 scratch and fp32 V read straight from the cache).
  * Scoring a whole chunk before its softmax keeps the dependent steps (max, exp, rescale) off the
  * per-tile path, and each block's K and V rows are prefetched while the block before is scored, so
- * reading the scattered blocks overlaps the arithmetic (benchmarks/cpu_kernels.py). */
-static inline __attribute__((always_inline)) void item_avx512(const struct args *a, int64_t item,
-                                                               const int HD, const int BF16)
+ * reading the scattered blocks overlaps the arithmetic (benchmarks/cpu_kernels.py). A sequence's
+ * result depends only on its own chunks, taken in order: how chunks of several sequences
+ * interleave (group_avx512) never changes it. */
+static inline __attribute__((always_inline)) void seq_chunk(const struct args *a, int s, int h, struct seq_state *st,
+                                                            int chunk, const int HD, const int BF16)
 {
     const int64_t elem = BF16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
-    const int s = (int)(item / a->num_kv_heads), h = (int)(item % a->num_kv_heads), group = a->group;
-    const int len = a->seq_lens[s], NV = HD / 16;
-#ifdef __AVX512BF16__
-    const int DP = BF16;  /* scores by bf16 pair dot products: raw bf16 query, scaled afterwards */
-#else
-    const int DP = 0;
-#endif
-    float q[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    bf16_t qb[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const int len = a->seq_lens[s], NV = HD / 16, group = a->group, DP = SCORE_DP(BF16);
     float vt[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* a tile's V rows widened (bf16, wide groups) */
     float p[MAX_GROUP][CHUNK] __attribute__((aligned(64)));  /* the chunk's scores, then its weights */
-    float running_max[MAX_GROUP], denom[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        const char *qs = a->query + (s * a->q_stride_tok + (int64_t)(h * group + g) * a->q_stride_head) * elem;
-        if (DP) memcpy(qb[g], qs, HD * sizeof(bf16_t));
-        for (int j = 0; j < NV; j++) {
-            if (!DP) _mm512_store_ps(&q[g][16 * j], _mm512_mul_ps(load16(qs, 16 * j, BF16), _mm512_set1_ps(a->scale)));
-            _mm512_store_ps(&acc[g][16 * j], _mm512_setzero_ps());
-        }
-        running_max[g] = -FLT_MAX;
-        denom[g] = 0.f;
-    }
     const __m512 score_scale = _mm512_set1_ps(DP ? a->scale : 1.f), lowest = _mm512_set1_ps(-FLT_MAX);
     const int32_t *table = a->block_tables + s * a->bt_stride;
     const int64_t head = h * a->c_stride_head, row = a->c_stride_tok * elem;
-    for (int chunk = 0; chunk < len; chunk += CHUNK) {
-        const int end = len - chunk < CHUNK ? len : chunk + CHUNK, cn = end - chunk;
-        int64_t offset;
-        for (int start = chunk, n; start < end; start += n) {  /* 1. scores */
-            n = tile_at(a, table, head, start, end, &offset);
-            prefetch_next_block(a, table, head, start + n, len, HD, elem);
-            const char *kb = a->key_cache + offset * elem;
-            const __mmask16 valid = first_lanes(n);
-            for (int g = 0; g < group; g++) {
-                __m512 dots[TILE];
-                for (int t = 0; t < TILE; t++)  /* rows past the tile's end are never read */
-                    dots[t] = t < n ? dot16(q[g], qb[g], kb + t * row, HD, BF16, DP) : _mm512_setzero_ps();
-                const __m512 scores = _mm512_mul_ps(sum16(dots), score_scale);
-                _mm512_mask_storeu_ps(&p[g][start - chunk], valid, scores);
-            }
-        }
-        for (int g = 0; g < group; g++) {  /* 2. the softmax over the chunk */
-            __m512 top = lowest;
-            for (int i = 0; i < cn; i += 16) {
-                const __mmask16 valid = first_lanes(cn - i);
-                top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, valid, &p[g][i]));
-            }
-            const float chunk_max = _mm512_reduce_max_ps(top);
-            const float new_max = chunk_max > running_max[g] ? chunk_max : running_max[g];
-            const __m512 shift = _mm512_set1_ps(new_max);
-            __m512 sum = _mm512_setzero_ps();
-            for (int i = 0; i < cn; i += 16) {
-                const __mmask16 valid = first_lanes(cn - i);
-                const __m512 e = _mm512_maskz_mov_ps(
-                    valid, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, valid, &p[g][i]), shift)));
-                _mm512_storeu_ps(&p[g][i], e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            const float rescale = expf(running_max[g] - new_max);
-            denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(sum);
-            running_max[g] = new_max;
-            for (int j = 0; j < NV; j++)
-                _mm512_store_ps(&acc[g][16 * j], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * j]), _mm512_set1_ps(rescale)));
-        }
-        for (int start = chunk, n; start < end; start += n) {  /* 3. V */
-            n = tile_at(a, table, head, start, end, &offset);
-            const char *vb = a->value_cache + offset * elem;
-            if (HD == 64 && group <= 4) {  /* accumulators in registers */
-                switch (group) {
-                case 1: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 1); break;
-                case 2: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 2); break;
-                case 3: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 3); break;
-                default: v_tile_grouped(acc, p, start - chunk, vb, row, n, BF16, 4); break;
-                }
-                continue;
-            }
-            if (BF16)
-                for (int t = 0; t < n; t++)
-                    for (int j = 0; j < NV; j++) _mm512_store_ps(&vt[t][16 * j], load16(vb + t * row, 16 * j, 1));
-            for (int g = 0; g < group; g++) {
-                const float *w = &p[g][start - chunk];
-                __m512 acc_row[MAX_HEAD_DIM / 16];
-                for (int j = 0; j < NV; j++) acc_row[j] = _mm512_load_ps(&acc[g][16 * j]);
-                for (int t = 0; t < n; t++) {
-                    const __m512 wt = _mm512_set1_ps(w[t]);
-                    for (int j = 0; j < NV; j++)
-                        acc_row[j] = _mm512_fmadd_ps(wt, BF16 ? _mm512_load_ps(&vt[t][16 * j]) : load16(vb + t * row, 16 * j, 0),
-                                                     acc_row[j]);
-                }
-                for (int j = 0; j < NV; j++) _mm512_store_ps(&acc[g][16 * j], acc_row[j]);
-            }
+    const int end = len - chunk < CHUNK ? len : chunk + CHUNK, cn = end - chunk;
+    int64_t offset;
+    for (int start = chunk, n; start < end; start += n) {  /* 1. scores */
+        n = tile_at(a, table, head, start, end, &offset);
+        prefetch_next_block(a, table, head, start + n, len, HD, elem);
+        const char *kb = a->key_cache + offset * elem;
+        const __mmask16 valid = first_lanes(n);
+        for (int g = 0; g < group; g++) {
+            __m512 dots[TILE];
+            for (int t = 0; t < TILE; t++)  /* rows past the tile's end are never read */
+                dots[t] = t < n ? dot16(st->q[g], st->qb[g], kb + t * row, HD, BF16, DP) : _mm512_setzero_ps();
+            const __m512 scores = _mm512_mul_ps(sum16(dots), score_scale);
+            _mm512_mask_storeu_ps(&p[g][start - chunk], valid, scores);
         }
     }
-    store_rows(a, s, h, acc, denom, HD, BF16);
+    for (int g = 0; g < group; g++) {  /* 2. the softmax over the chunk */
+        __m512 top = lowest;
+        for (int i = 0; i < cn; i += 16) {
+            const __mmask16 valid = first_lanes(cn - i);
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(lowest, valid, &p[g][i]));
+        }
+        const float chunk_max = _mm512_reduce_max_ps(top);
+        const float new_max = chunk_max > st->running_max[g] ? chunk_max : st->running_max[g];
+        const __m512 shift = _mm512_set1_ps(new_max);
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < cn; i += 16) {
+            const __mmask16 valid = first_lanes(cn - i);
+            const __m512 e = _mm512_maskz_mov_ps(
+                valid, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(lowest, valid, &p[g][i]), shift)));
+            _mm512_storeu_ps(&p[g][i], e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const float rescale = expf(st->running_max[g] - new_max);
+        st->denom[g] = st->denom[g] * rescale + _mm512_reduce_add_ps(sum);
+        st->running_max[g] = new_max;
+        for (int j = 0; j < NV; j++)
+            _mm512_store_ps(&st->acc[g][16 * j], _mm512_mul_ps(_mm512_load_ps(&st->acc[g][16 * j]), _mm512_set1_ps(rescale)));
+    }
+    for (int start = chunk, n; start < end; start += n) {  /* 3. V */
+        n = tile_at(a, table, head, start, end, &offset);
+        const char *vb = a->value_cache + offset * elem;
+        if (HD == 64 && group <= 4) {  /* accumulators in registers */
+            switch (group) {
+            case 1: v_tile_grouped(st->acc, p, start - chunk, vb, row, n, BF16, 1); break;
+            case 2: v_tile_grouped(st->acc, p, start - chunk, vb, row, n, BF16, 2); break;
+            case 3: v_tile_grouped(st->acc, p, start - chunk, vb, row, n, BF16, 3); break;
+            default: v_tile_grouped(st->acc, p, start - chunk, vb, row, n, BF16, 4); break;
+            }
+            continue;
+        }
+        if (BF16)
+            for (int t = 0; t < n; t++)
+                for (int j = 0; j < NV; j++) _mm512_store_ps(&vt[t][16 * j], load16(vb + t * row, 16 * j, 1));
+        for (int g = 0; g < group; g++) {
+            const float *w = &p[g][start - chunk];
+            __m512 acc_row[MAX_HEAD_DIM / 16];
+            for (int j = 0; j < NV; j++) acc_row[j] = _mm512_load_ps(&st->acc[g][16 * j]);
+            for (int t = 0; t < n; t++) {
+                const __m512 wt = _mm512_set1_ps(w[t]);
+                for (int j = 0; j < NV; j++)
+                    acc_row[j] = _mm512_fmadd_ps(wt, BF16 ? _mm512_load_ps(&vt[t][16 * j]) : load16(vb + t * row, 16 * j, 0),
+                                                 acc_row[j]);
+            }
+            for (int j = 0; j < NV; j++) _mm512_store_ps(&st->acc[g][16 * j], acc_row[j]);
+        }
+    }
 }
-#define ITEM_FAST item_avx512
+
+/* Per-thread states for a group's sequences (grown on demand, kept for the thread's life). */
+static __thread struct seq_state *thread_states;
+static __thread int thread_states_len;
+
+static struct seq_state *states_for(int n) {
+    if (thread_states_len < n) {
+        free(thread_states);
+        thread_states = aligned_alloc(64, (size_t)n * sizeof(struct seq_state));
+        thread_states_len = thread_states ? n : 0;
+    }
+    return thread_states;
+}
+
+/* A work item: the sequences seqs[0..n) (which share their first cached block: a common prefix)
+ * for KV head h. They go chunk by chunk, every sequence's chunk c before anyone's chunk c + 1, so
+ * the K/V rows of a block they share are read from memory once and from cache by the others; each
+ * sequence's arithmetic is exactly what it would be alone. */
+static inline __attribute__((always_inline)) void group_avx512(const struct args *a, const int *seqs, int n, int h,
+                                                               const int HD, const int BF16)
+{
+    struct seq_state *st = states_for(n);
+    if (st == NULL) {  /* out of memory for states: one sequence at a time, on the stack */
+        struct seq_state one;
+        for (int i = 0; i < n; i++) {
+            seq_begin(a, seqs[i], h, &one, HD, BF16);
+            for (int chunk = 0; chunk < a->seq_lens[seqs[i]]; chunk += CHUNK) seq_chunk(a, seqs[i], h, &one, chunk, HD, BF16);
+            store_rows(a, seqs[i], h, one.acc, one.denom, HD, BF16);
+        }
+        return;
+    }
+    int longest = 0;
+    for (int i = 0; i < n; i++) {
+        seq_begin(a, seqs[i], h, &st[i], HD, BF16);
+        longest = a->seq_lens[seqs[i]] > longest ? a->seq_lens[seqs[i]] : longest;
+    }
+    for (int chunk = 0; chunk < longest; chunk += CHUNK)
+        for (int i = 0; i < n; i++)
+            if (chunk < a->seq_lens[seqs[i]]) seq_chunk(a, seqs[i], h, &st[i], chunk, HD, BF16);
+    for (int i = 0; i < n; i++) store_rows(a, seqs[i], h, st[i].acc, st[i].denom, HD, BF16);
+}
+#define GROUP_FAST group_avx512
 #else
-#define ITEM_FAST item_scalar
+#define GROUP_FAST group_scalar
 #endif
 
-/* One function per (head size, dtype), each with its own OpenMP loop: the loop body is outlined per
- * function, so HD reaches the item code as a constant (fully unrolled inner loops). Items are spread
- * over the threads dynamically (sequences differ in length). */
-#define VARIANT(NAME, ITEM, HD, BF16) \
-static void NAME(const struct args *a, int64_t num_items, int head_dim, int num_threads) { \
-    (void)head_dim; \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)") \
-    for (int64_t item = 0; item < num_items; item++) ITEM(a, item, HD, BF16); \
+/* A work item without the AVX-512 loop: its sequences one after the other (no sharing of reads). */
+static inline __attribute__((always_inline)) void group_scalar(const struct args *a, const int *seqs, int n, int h,
+                                                               const int HD, const int BF16)
+{
+    for (int i = 0; i < n; i++) item_scalar(a, (int64_t)seqs[i] * a->num_kv_heads + h, HD, BF16);
 }
-VARIANT(decode_f32_64, ITEM_FAST, 64, 0)
-VARIANT(decode_f32_128, ITEM_FAST, 128, 0)
-VARIANT(decode_f32_any, item_scalar, head_dim, 0)
-VARIANT(decode_bf16_64, ITEM_FAST, 64, 1)
-VARIANT(decode_bf16_128, ITEM_FAST, 128, 1)
-VARIANT(decode_bf16_any, item_scalar, head_dim, 1)
+
+/* One function per (head size, dtype), each with its own OpenMP loop: the loop body is outlined per
+ * function, so HD reaches the item code as a constant (fully unrolled inner loops). Work items are
+ * (group of sequences, KV head) pairs (see make_groups), spread over the threads dynamically
+ * (sequences differ in length). */
+#define VARIANT(NAME, GROUP, HD, BF16) \
+static void NAME(const struct args *a, const int *order, const int *starts, int num_groups, int head_dim, \
+                 int num_threads) { \
+    (void)head_dim; \
+    const int64_t num_items = (int64_t)num_groups * a->num_kv_heads; \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)") \
+    for (int64_t item = 0; item < num_items; item++) { \
+        const int gi = (int)(item / a->num_kv_heads), h = (int)(item % a->num_kv_heads); \
+        GROUP(a, order + starts[gi], starts[gi + 1] - starts[gi], h, HD, BF16); \
+    } \
+}
+VARIANT(decode_f32_64, GROUP_FAST, 64, 0)
+VARIANT(decode_f32_128, GROUP_FAST, 128, 0)
+VARIANT(decode_f32_any, group_scalar, head_dim, 0)
+VARIANT(decode_bf16_64, GROUP_FAST, 64, 1)
+VARIANT(decode_bf16_128, GROUP_FAST, 128, 1)
+VARIANT(decode_bf16_any, group_scalar, head_dim, 1)
 #undef VARIANT
+
+/* The exported entry points: `_f32` takes fp32 query, caches and output; `_bf16` bf16 ones (raw bf16
+ * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, paged_kernels/cpu.py):
+ * num_heads % num_kv_heads == 0, group <= 16, head_dim <= 256, block_size <= 128, every
+ * seq_len >= 1. Strides are in elements. */
+/* Sequences that share their first cached block share a prompt prefix (prefix caching hands them
+ * the same blocks). Groups of such sequences, at most GROUP_SEQS each, become one work item per KV
+ * head: order[starts[g]..starts[g + 1]) are group g's rows. Rows sharing nothing are groups of one,
+ * in their own order. Returns the number of groups. */
+#define GROUP_SEQS 16
+struct keyed { int32_t block; int row; };
+
+static int by_block(const void *x, const void *y) {
+    const struct keyed *p = x, *q = y;
+    if (p->block != q->block) return p->block < q->block ? -1 : 1;
+    return p->row - q->row;
+}
+
+static int make_groups(const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int num_seqs,
+                       int *order, int *starts) {
+    struct keyed *keys = malloc((size_t)num_seqs * sizeof *keys);
+    if (keys == NULL) {  /* no memory to sort: every row its own group */
+        for (int i = 0; i < num_seqs; i++) order[i] = starts[i] = i;
+        starts[num_seqs] = num_seqs;
+        return num_seqs;
+    }
+    for (int i = 0; i < num_seqs; i++) {
+        keys[i].block = seq_lens[i] > 0 ? block_tables[i * bt_stride] : -1 - i;
+        keys[i].row = i;
+    }
+    qsort(keys, num_seqs, sizeof *keys, by_block);
+    int groups = 0;
+    for (int i = 0; i < num_seqs; i++) {
+        if (i == 0 || keys[i].block != keys[i - 1].block || i - starts[groups - 1] == GROUP_SEQS)
+            starts[groups++] = i;
+        order[i] = keys[i].row;
+    }
+    starts[groups] = num_seqs;
+    free(keys);
+    return groups;
+}
 
 /* The exported entry points: `_f32` takes fp32 query, caches and output; `_bf16` bf16 ones (raw bf16
  * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, paged_kernels/cpu.py):
@@ -377,10 +487,17 @@ void NAME( \
         q_stride_tok, q_stride_head, c_stride_block, c_stride_tok, c_stride_head, bt_stride, \
         block_tables, seq_lens, (char *)out, o_stride_tok, o_stride_head, \
         num_kv_heads, num_heads / num_kv_heads, block_size, scale}; \
-    const int64_t items = (int64_t)num_seqs * num_kv_heads; \
-    if (head_dim == 64) decode_##SUFFIX##_64(&a, items, head_dim, num_threads); \
-    else if (head_dim == 128) decode_##SUFFIX##_128(&a, items, head_dim, num_threads); \
-    else decode_##SUFFIX##_any(&a, items, head_dim, num_threads); \
+    int stack_order[256], stack_starts[257]; \
+    int *order = num_seqs <= 256 ? stack_order : malloc((size_t)num_seqs * sizeof(int)); \
+    int *starts = num_seqs <= 256 ? stack_starts : malloc((size_t)(num_seqs + 1) * sizeof(int)); \
+    if (order == NULL || starts == NULL) { free(order == stack_order ? NULL : order); \
+        free(starts == stack_starts ? NULL : starts); return; } \
+    const int groups = make_groups(block_tables, bt_stride, seq_lens, num_seqs, order, starts); \
+    if (head_dim == 64) decode_##SUFFIX##_64(&a, order, starts, groups, head_dim, num_threads); \
+    else if (head_dim == 128) decode_##SUFFIX##_128(&a, order, starts, groups, head_dim, num_threads); \
+    else decode_##SUFFIX##_any(&a, order, starts, groups, head_dim, num_threads); \
+    if (order != stack_order) free(order); \
+    if (starts != stack_starts) free(starts); \
 }
 
 ENTRY_POINT(paged_decode_attention_f32, float, f32)

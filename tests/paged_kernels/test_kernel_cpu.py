@@ -119,6 +119,32 @@ def test_a_row_prefilled_equals_the_row_decoded(paged_batch, bf16_cpu, dtype):
         assert torch.equal(decoded[0], prefilled[j])
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_sharing_a_prefix_come_out_as_each_alone(paged_batch, bf16_cpu, dtype):
+    """Sequences that share their first blocks (a cached prompt prefix) are one work item that reads
+    each shared block once for all of them: 21 of them (more than one group of 16), of several
+    lengths, with a tail of their own past the shared blocks, among rows sharing nothing. Each row
+    comes out bit for bit as when it is attended alone, and as the reference says."""
+    lens = [300, 129, 305, 40, 256, 277, 131, 250, 300, 301, 302, 303, 304, 290, 280, 270, 260, 259, 258, 257, 299]
+    batch = paged_batch(q_lens=[1] * (len(lens) + 3), seq_lens=[*lens, 90, 17, 300], num_heads=6, num_kv_heads=2,
+                        head_dim=64, block_size=16, head_major=True, dtype=dtype, num_blocks=1300)
+    tables = batch.block_tables
+    tables[1:len(lens)] = tables[0]  # the same blocks as row 0 ...
+    for s, n in enumerate(lens[1:], start=1):  # ... up to the last full block of a 128-token prefix
+        tail = torch.arange(0, max(0, -(-n // 16) - 8), dtype=torch.int32) + 900 + 16 * s
+        tables[s, 8:8 + len(tail)] = tail
+
+    together = cpu.cpu_paged_attention(*batch.args())
+
+    for s in range(len(lens) + 3):
+        alone = cpu.cpu_paged_attention(
+            batch.query[s:s + 1], batch.key_cache, batch.value_cache, tables[s:s + 1],
+            torch.tensor([0, 1], dtype=torch.int32), batch.seq_lens[s:s + 1], batch.scale)
+        assert torch.equal(alone[0], together[s]), s
+    torch.testing.assert_close(together.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE[dtype])
+
+
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_with_amx_long_bf16_chunks_go_to_sdpa(paged_batch, monkeypatch, dtype):
