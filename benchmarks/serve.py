@@ -466,9 +466,11 @@ def main(argv: list[str] | None = None) -> int:
                 http_requests = (fresh_tokens(round_requests, vocab_size, args.seed + 1) if args.backend == "both"
                                  else round_requests)
                 served_name = args.model if args.http_url is None else _served_model(http_url)
+                cpu = CpuAccount(stack)
                 results, duration = asyncio.run(run_openai(http_url, served_name, http_requests,
                                                            args.request_rate, args.temperature, args.seed))
                 summaries.append(summarize("stack (OpenAI HTTP)" + label, results, duration))
+                summaries[-1]["cpu_seconds"], summaries[-1]["cpu_wait_seconds"] = cpu.take()
                 print(report(summaries[-1]), flush=True)
             if args.backend == "both":
                 grpc_run, http_run = summaries[-2], summaries[-1]
