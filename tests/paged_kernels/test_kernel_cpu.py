@@ -431,3 +431,23 @@ def test_loading_the_kernel_leaves_the_process_floating_point_state_alone():
 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpa_sees_chunks_padded_to_few_shapes(paged_batch, monkeypatch, dtype):
+    """SDPA's CPU kernel keeps a compiled GEMM per block shape: a chunk's rows go up to a multiple
+    of 32 and its positions to one of 64 (zeros, never attended by a real row), and the result is
+    still the reference's (chunks with and without cached context)."""
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: shapes.append((q.shape[2], k.shape[2], kw["is_causal"])) or sdpa(q, k, v, **kw))
+    batch = paged_batch(q_lens=[37, 100, 1], seq_lens=[37, 130, 50], num_heads=6, num_kv_heads=2, head_dim=64,
+                        block_size=16, head_major=True, dtype=dtype)
+    qsl = batch.query_start_loc.tolist()
+    for s, expected in ((0, (64, 64, True)), (1, (128, 192, False))):
+        out = cpu._prefill(batch.query[qsl[s]:qsl[s + 1]], batch.key_cache, batch.value_cache, batch.block_tables[s],
+                           int(batch.seq_lens[s]), batch.scale)
+        assert shapes[-1] == expected
+        want = ref_paged_attention(*batch.args())[qsl[s]:qsl[s + 1]]
+        torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[dtype])

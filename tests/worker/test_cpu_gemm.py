@@ -75,3 +75,31 @@ def test_a_build_whose_packed_gemm_disagrees_keeps_f_linear(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_agrees", lambda linear, packed: False)
     assert cpu_gemm.prepack_linears(layers) == 0
     assert isinstance(layers[0], nn.Linear)
+
+
+def test_row_counts_are_padded_to_few_buckets():
+    """oneDNN keeps a compiled primitive per GEMM shape: rows go up to a bucket (8s up to 128, then
+    an eighth of the power of two below), so a worker meets a few dozen shapes, not one per step's
+    token count, and never computes more than 12.5 % extra rows past 128."""
+    assert [cpu_gemm.padded_rows(n) for n in (0, 1, 8, 9, 128, 129, 300, 2000, 2048)] == [
+        0, 8, 8, 16, 128, 144, 320, 2048, 2048]
+    buckets = {cpu_gemm.padded_rows(n) for n in range(1, 2049)}
+    assert len(buckets) <= 48
+    assert all(cpu_gemm.padded_rows(n) <= max(n * 1.125, n + 7) for n in range(1, 4097))
+
+
+def test_a_packed_model_pads_its_rows_and_the_tokens_stay_the_same(hf):
+    """The padding rows of a forward pass are dead tokens: the same tokens come out as with a
+    model that pads nothing (prefill chunks and decodes of a few rows, none a bucket's size)."""
+    padded = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    unpadded = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    unpadded.model.pad_rows = None
+    assert padded.model.pad_rows is cpu_gemm.padded_rows
+    rows = []
+    real = torch.ops.mkldnn._linear_pointwise
+    prompts = random_prompts([9, 4, 18], seed=5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda a, *r: rows.append(a.shape[0]) or real(a, *r))
+        got = _greedy_tokens(padded, prompts)
+    assert set(rows) == {32, 8}  # 31 prompt tokens, then 3 rows that sample or decode
+    assert got == _greedy_tokens(unpadded, prompts)

@@ -152,11 +152,20 @@ class ForwardContext:
     paged_attention: PagedAttentionOp
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        # q: [T, H, Dh], k/v: [T, KVH, Dh] -> [T, H, Dh]; new K/V are stored before attention reads them
+        # q: [T, H, Dh], k/v: [T, KVH, Dh] -> [T, H, Dh]; new K/V are stored before attention reads them.
+        # Rows past the step's tokens (a model's padding to a GEMM bucket) are dead: they neither
+        # write the cache nor attend, and their output rows are zeros.
         key_cache, value_cache = self.kv_caches[layer]
         m = self.metadata
+        n = m.slot_mapping.shape[0]
+        out = None
+        if q.shape[0] != n:
+            out = torch.empty_like(q)
+            out[n:].zero_()
+            q, k, v = q[:n], k[:n], v[:n]
         self.reshape_and_cache(k, v, key_cache, value_cache, m.slot_mapping)
-        return self.paged_attention(
+        attended = self.paged_attention(
             q, key_cache, value_cache, m.block_tables, m.query_start_loc, m.seq_lens, scale,
-            max_query_len=m.max_query_len,
+            None if out is None else out[:n], max_query_len=m.max_query_len,
         )
+        return attended if out is None else out

@@ -9,7 +9,7 @@ concatenated at load time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,10 @@ class LlamaForCausalLM(nn.Module):
         # The LM-head GEMM with its weight laid out for the CPU's GEMM (cpu_gemm.prepack), or None:
         # F.linear on the weight above. The weight itself stays (embedding, the fp32 refinement).
         self.head_gemm: nn.Module | None = None
+        # Rows a forward pass and the LM head compute, for the real ones (cpu_gemm.padded_rows: few
+        # GEMM shapes), or None: exactly the real ones. Padding rows are dead tokens: attention and
+        # the KV cache see only the real ones.
+        self.pad_rows: Callable[[int], int] | None = None
 
     @classmethod
     def config_from_hf(cls, hf_config: Any) -> DecoderConfig:
@@ -139,11 +143,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, D] in the model dtype (before the LM head)
+        num_tokens = input_ids.shape[0]
+        padded = num_tokens if self.pad_rows is None else self.pad_rows(num_tokens)
+        if padded != num_tokens:  # dead tokens up to the bucket: token 0 at position 0
+            input_ids, positions = F.pad(input_ids, (0, padded - num_tokens)), F.pad(positions, (0, padded - num_tokens))
         x = self.embed(input_ids).float()  # [T, D]: the residual stream is fp32 whatever the model dtype
         rotate = self.rope(positions)
         for layer in self.layers:
             x = layer(x, rotate, ctx)
-        return self.norm(x)
+        return self.norm(x[:num_tokens])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, V]`` fp32 of ``hidden`` ``[N, D]`` (only the rows that sample).
@@ -158,7 +166,11 @@ class LlamaForCausalLM(nn.Module):
         (``cpu_fused.refine_logits``: ties at the k-th value go to the lower token id).
         """
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight) if self.head_gemm is None else self.head_gemm(hidden)  # [N, V]
+        rows = hidden.shape[0]
+        padded = rows if self.pad_rows is None else self.pad_rows(rows)
+        head_input = hidden if padded == rows else F.pad(hidden, (0, 0, 0, padded - rows))
+        logits = F.linear(head_input, weight) if self.head_gemm is None else self.head_gemm(head_input)  # [N, V]
+        logits = logits[:rows]
         if logits.shape[0] > 0 and cpu_fused.applies(logits):  # bf16 on the CPU: the same in one pass (C)
             return cpu_fused.refine_logits(logits, hidden.contiguous(), weight, REFINED_LOGITS)
         logits = logits.float()
