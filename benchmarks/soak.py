@@ -247,7 +247,11 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=24, help="clients calling at once")
     parser.add_argument("--sample-s", type=float, default=5.0)
-    parser.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth is counted from here")
+    parser.add_argument("--warmup-s", type=float, default=90.0,
+                        help="RSS growth is counted from here (past --output-ttl-s: Redis holds a steady state)")
+    parser.add_argument("--output-ttl-s", type=int, default=60,
+                        help="the stack's output-stream TTL: finished requests' streams leave Redis after it, so "
+                             "its memory levels off within the run (the default 600 s would take longer than it)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -255,7 +259,8 @@ def main() -> int:
     from pagedserve.launcher import Stack, StackConfig, free_port
 
     ports = {name: free_port() for name in ("port", "http_port", "scheduler_port", "worker_port", "redis_port")}
-    config = StackConfig(model=args.model, host="127.0.0.1", log_level="WARNING", **ports)
+    config = StackConfig(model=args.model, host="127.0.0.1", log_level="WARNING", output_ttl_s=args.output_ttl_s,
+                         **ports)
     print(f"load average {os.getloadavg()}, CPU flags {cpu_flags()}", flush=True)
     stack = Stack(config)
     started = time.perf_counter()

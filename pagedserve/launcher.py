@@ -30,7 +30,7 @@ from servicekit.contract.scheduling import SchedulingConfig
 from servicekit.contract.settings import setting
 from servicekit.flags import LOG_LEVELS, add_setting_flags, settings_argv, settings_kwargs
 from servicekit.ports import SCHEDULER_PORT, WORKER_PORT
-from servicekit.redis_client import RedisConfig
+from servicekit.redis_client import OutputStreamConfig, RedisConfig
 from servicekit.service_config import PORT_RANGE, ServerConfig
 from worker_service.config import ModelRunnerConfig
 from servicekit.serving import PARENT_PID_ENV
@@ -81,7 +81,8 @@ class Child:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StackConfig(ServerConfig, GatewayPorts, SamplingDefaultsConfig, RedisConfig, SchedulingConfig, ModelRunnerConfig):
+class StackConfig(ServerConfig, GatewayPorts, SamplingDefaultsConfig, RedisConfig, OutputStreamConfig, SchedulingConfig,
+                  ModelRunnerConfig):
     """What ``pagedserve serve`` starts; each field is a flag of it. The model runner's and the
     scheduling fields are the worker's and the scheduler's own (one declaration each), handed on to
     them, so ``pagedserve serve`` and ``LLM`` batch alike for the same settings. ``host`` is the
@@ -145,6 +146,7 @@ class Stack:
         """Start everything; returns the gateway address once all report SERVING."""
         o = self.options
         redis = settings_argv(o, RedisConfig)
+        outputs = settings_argv(o, OutputStreamConfig)  # the gateway's and the scheduler's alike
         if not (o.redis_url or o.redis_sentinels):
             port = o.redis_port or free_port()
             # Redis cannot watch its parent: the kernel sends it SIGTERM when this thread dies
@@ -160,10 +162,10 @@ class Stack:
         # scheduler starts once the worker serves, so its first connection finds it.
         gateway = self._service("gateway", ["--model", o.model, "--host", o.host, "--port", str(o.port),
                                             "--http-port", str(o.http_port),
-                                            *settings_argv(o, SamplingDefaultsConfig), *redis],
+                                            *settings_argv(o, SamplingDefaultsConfig), *outputs, *redis],
                                 o.port)
         self._wait_serving(worker)
-        scheduler = self._service("scheduler", [*scheduler_flags(o), *redis], o.scheduler_port)
+        scheduler = self._service("scheduler", [*scheduler_flags(o), *outputs, *redis], o.scheduler_port)
         self._wait_serving(scheduler)
         self._wait_serving(gateway)
         address = f"{o.host}:{o.port}"

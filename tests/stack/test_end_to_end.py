@@ -175,3 +175,19 @@ def test_the_launcher_stops_the_gateway_first_and_redis_last_whatever_the_start_
     stack.children = [Child(name, FakeProcess(name)) for name in ("redis", "worker", "gateway", "scheduler")]
     assert stack.stop() == 0
     assert stopped == ["gateway", "scheduler", "worker", "redis"]
+
+
+def test_the_launcher_hands_the_output_ttl_to_the_gateway_and_the_scheduler(monkeypatch):
+    """`pagedserve serve --output-ttl-s N`: both sides of the output streams (the gateway sets the
+    TTL at admission, the scheduler keeps it on every write) get N; the worker has no such flag."""
+    from pagedserve.launcher import Child, Stack, StackConfig
+
+    argv: dict[str, list[str]] = {}
+    stack = Stack(StackConfig(output_ttl_s=45, redis_url="redis://127.0.0.1:1/0"))
+    monkeypatch.setattr(stack, "_service", lambda name, args, port: argv.setdefault(name, args) and Child(name, None))
+    for wait in ("_wait_serving", "_wait_answering"):
+        monkeypatch.setattr(stack, wait, lambda *a: None)
+    stack.start()
+    for name in ("gateway", "scheduler"):
+        assert argv[name][argv[name].index("--output-ttl-s") + 1] == "45", argv[name]
+    assert "--output-ttl-s" not in argv["worker"]
