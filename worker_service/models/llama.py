@@ -112,10 +112,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rotate: Rotation, ctx: ForwardContext) -> torch.Tensor:
-        # x: [T, D] fp32, the residual stream; each sub-layer computes in the model dtype
-        x, h = self.post_attn_norm.add_and_norm(x, self.attn(self.input_norm(x), rotate, ctx))
-        return x + self.mlp(h)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rotate: Rotation,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, D] fp32, the residual stream; pending: the layer before's MLP output [T, D] (model
+        # dtype), not yet added to x (None in the first layer): added here with the input norm, in one
+        # pass. Returns the stream and this layer's MLP output, pending in turn.
+        x, h = (x, self.input_norm(x)) if pending is None else self.input_norm.add_and_norm(x, pending)
+        x, h = self.post_attn_norm.add_and_norm(x, self.attn(h, rotate, ctx))
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,9 +153,12 @@ class LlamaForCausalLM(nn.Module):
             input_ids, positions = F.pad(input_ids, (0, padded - num_tokens)), F.pad(positions, (0, padded - num_tokens))
         x = self.embed(input_ids).float()  # [T, D]: the residual stream is fp32 whatever the model dtype
         rotate = self.rope(positions)
+        pending = None
         for layer in self.layers:
-            x = layer(x, rotate, ctx)
-        return self.norm(x[:num_tokens])
+            x, pending = layer(x, pending, rotate, ctx)
+        if pending is None:  # a model of no layers
+            return self.norm(x[:num_tokens])
+        return self.norm.add_and_norm(x[:num_tokens], pending[:num_tokens])[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, V]`` fp32 of ``hidden`` ``[N, D]`` (only the rows that sample).
