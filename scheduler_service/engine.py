@@ -113,7 +113,10 @@ class WorkerEngine:
         self.releasing = False  # True while handing the worker to another scheduler (rebalancing)
         self.num_steps = 0
         self.num_steps_ahead = 0  # of those, sent while the step before ran (asynchronous scheduling)
-        self._step_s = 0.0  # recent steps' time on the worker (moving average), for _plan_delay
+        # Recent steps' time on the worker (moving averages), for _plan_delay: of decode steps (one
+        # token per request), and per token of steps with prefill chunks (0.0: none seen yet).
+        self._decode_step_s = 0.0
+        self._prefill_token_s = 0.0
         self._head_started = 0.0  # when the worker could start the oldest step in flight
         self.num_routed = 0  # requests routed here
         self.num_routed_prefix_hit = 0  # of those, with a prefix-cache hit here
@@ -248,10 +251,11 @@ class WorkerEngine:
             if self._async_scheduling:
                 answer = asyncio.ensure_future(client.receive())
                 try:
-                    delay = self._plan_delay()
-                    if delay > 0:
+                    delay = self._plan_delay(scheduler_output)
+                    if delay is not None and delay > 0:
                         await asyncio.wait((answer,), timeout=delay)
-                    if not answer.done() and not self._inbox and self._lost_reason is None:
+                    if (delay is not None and not answer.done() and not self._inbox
+                            and self._lost_reason is None):
                         following = core.schedule_continuation(scheduler_output)
                         if following is not None:
                             await client.send(following)
@@ -265,7 +269,7 @@ class WorkerEngine:
                 runner_output = await client.receive()
             now = time.perf_counter()
             took = now - self._head_started  # the step's time since the worker could start it
-            self._step_s = took if not self._step_s else 0.5 * self._step_s + 0.5 * took
+            self._observe_step(scheduler_output, took)
             self._head_started = now  # the step sent ahead (if any) starts now
             self.num_steps += 1
             outputs = core.update_from_output(scheduler_output, runner_output)
@@ -277,13 +281,34 @@ class WorkerEngine:
                 self._wake.clear()
                 await self._admit_and_abort()
 
-    def _plan_delay(self) -> float:
-        """Seconds to wait before planning the step after the one in flight: until a fifth of its
-        expected time (at least 5 ms, for the plan to reach the worker) is left."""
-        if not self._step_s:
-            return 0.0
-        margin = max(PLAN_AHEAD_MIN_S, PLAN_AHEAD_FRACTION * self._step_s)
-        return self._head_started + self._step_s - margin - time.perf_counter()
+    @staticmethod
+    def _is_decode_step(step: SchedulerOutput) -> bool:
+        return step.total_num_scheduled_tokens == len(step.num_scheduled_tokens)
+
+    def _observe_step(self, step: SchedulerOutput, took: float) -> None:
+        if self._is_decode_step(step):
+            self._decode_step_s = took if not self._decode_step_s else 0.5 * self._decode_step_s + 0.5 * took
+        elif step.total_num_scheduled_tokens:
+            per_token = took / step.total_num_scheduled_tokens
+            self._prefill_token_s = per_token if not self._prefill_token_s else (
+                0.5 * self._prefill_token_s + 0.5 * per_token)
+
+    def _plan_delay(self, in_flight: SchedulerOutput) -> float | None:
+        """Seconds to wait before planning the step after ``in_flight``: until a fifth of its
+        expected time (at least 5 ms, for the plan to reach the worker) is left. A decode step is
+        expected to take what recent decode steps took; a step with prefill chunks its tokens times
+        the recent time per token of such steps (its length varies with them: planned as early as a
+        decode step, the plan would miss the requests arriving during a long prefill). None: no
+        estimate yet, do not plan ahead."""
+        if self._is_decode_step(in_flight):
+            expected = self._decode_step_s
+        else:
+            expected = max(self._decode_step_s, in_flight.total_num_scheduled_tokens * self._prefill_token_s) \
+                if self._prefill_token_s else 0.0
+        if not expected:
+            return None
+        margin = max(PLAN_AHEAD_MIN_S, PLAN_AHEAD_FRACTION * expected)
+        return self._head_started + expected - margin - time.perf_counter()
 
     async def _hand_back(self) -> None:
         """Publish what is pending (aborts included), then give every unfinished request back."""

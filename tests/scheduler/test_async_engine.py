@@ -10,7 +10,9 @@ from dataclasses import replace
 import pytest
 
 from servicekit.contract.scheduling import SchedulingConfig
+from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
+from servicekit.contract.sampling_params import SamplingParams
 from scheduler_service.engine import WorkerEngine
 from .test_engine_loop import INFO, ScriptedWorker, make_request
 from .test_stream_interval import LosableWorker, RecordingQueue
@@ -97,3 +99,43 @@ async def test_a_request_arriving_early_in_a_step_is_admitted_by_the_next_one():
     admitted = next(i for i, so in enumerate(worker.started) if any(r.request_id == "b" for r in so.scheduled_new_reqs))
     assert admitted == running_index + 1
     assert [t for r in queue.of("a") for t in r.token_ids] == [7] * 40
+
+
+class TokenTimedWorker(TimedWorker):
+    """A step takes ``step_s`` plus ``token_s`` per scheduled token: prefill steps run longer."""
+
+    def __init__(self, step_s: float, token_s: float) -> None:
+        super().__init__(step_s)
+        self.token_s = token_s
+
+    async def step(self, so):
+        self.started.append(so)
+        await asyncio.sleep(self.step_s + self.token_s * so.total_num_scheduled_tokens)
+        return await ScriptedWorker.step(self, so)
+
+
+@pytest.mark.asyncio
+async def test_a_request_arriving_during_a_long_prefill_step_is_admitted_right_after_it():
+    """A step with a prefill chunk runs longer than the decode steps before it: the plan of the
+    step after it is timed by its tokens, not by the decode steps' time, so a request arriving in
+    the middle of the prefill is not left behind a step planned before it came."""
+    queue, worker = RecordingQueue(), TokenTimedWorker(0.01, 0.003)
+    engine = make_engine(queue, worker, async_scheduling=True)
+    task = asyncio.create_task(engine.run())
+    # a prefill step first, so its time per token is known, then a decoding stream
+    engine.submit(Request("warm", list(range(10, 60)), SamplingParams(max_tokens=2, seed=1, ignore_eos=True)), "e-warm")
+    engine.submit(make_request("a", max_tokens=60), "entry-a")
+    while engine.num_steps_ahead < 3:
+        await asyncio.sleep(0.005)
+    engine.submit(Request("long", list(range(60, 10, -1)), SamplingParams(max_tokens=2, seed=1, ignore_eos=True)),
+                  "e-long")  # no prefix of "warm"'s: all 50 tokens computed
+    while not any(r.request_id == "long" for so in worker.started for r in so.scheduled_new_reqs):
+        await asyncio.sleep(0.001)
+    prefill_index = len(worker.started) - 1  # the step computing "long"'s 50 prompt tokens: ~160 ms
+    await asyncio.sleep(0.06)  # well before its end, far past a decode step's time (~13 ms)
+    engine.submit(make_request("late", max_tokens=2), "entry-late")
+    await asyncio.wait_for(engine.wait_idle(), 20)
+    task.cancel()
+    admitted = next(i for i, so in enumerate(worker.started)
+                    if any(r.request_id == "late" for r in so.scheduled_new_reqs))
+    assert admitted == prefill_index + 1
