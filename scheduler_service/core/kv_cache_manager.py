@@ -9,6 +9,9 @@ from scheduler_service.core.kv_cache_utils import KVCacheBlock
 from scheduler_service.core.request import Request
 
 
+_NO_BLOCKS: list[KVCacheBlock] = []  # returned, never changed: no block was needed
+
+
 class KVCacheManager:
     """Maps each request to its blocks (its block table) in one worker's pool.
 
@@ -101,6 +104,18 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def allocate_decode_slot(self, request: Request) -> list[KVCacheBlock] | None:
+        """``allocate_slots(request, 1)`` for a running request that holds its table: the hot path
+        of a decoding batch, where the last block usually has room and no block fills."""
+        rid = request.request_id
+        req_blocks = self.req_to_blocks[rid]
+        num_required_tokens = request.num_computed_tokens + 1
+        if num_required_tokens > len(req_blocks) * self.block_size:
+            return self.allocate_slots(request, 1)
+        if self.enable_caching and num_required_tokens // self.block_size > self.num_cached_blocks[rid]:
+            self.cache_blocks(request, num_required_tokens)
+        return _NO_BLOCKS
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),

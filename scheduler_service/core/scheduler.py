@@ -174,8 +174,18 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = self._capped(request, request.num_computed_tokens,
-                             len(request.all_token_ids) - request.num_computed_tokens, threshold, shared)
+            n = len(request.all_token_ids) - request.num_computed_tokens
+            if n == 1:  # decoding: no cap applies; usually its last block has room (the hot path)
+                new_blocks = kv.allocate_decode_slot(request)
+                if new_blocks is not None:
+                    rid = request.request_id
+                    num_scheduled[rid] = 1
+                    budget -= 1
+                    cached_reqs.append(CachedRequestData(
+                        rid, [b.block_id for b in new_blocks] if new_blocks else [], request.num_computed_tokens))
+                    i += 1
+                    continue
+            n = self._capped(request, request.num_computed_tokens, n, threshold, shared)
             if n > 1:
                 n = self._attention_cap(request.num_computed_tokens, n)
                 if due is not None:
@@ -353,14 +363,19 @@ class Scheduler:
                 continue
 
             first_index = len(request.output_token_ids)
-            new_tokens: list[int] = []
-            status = None
-            for token in tokens:
-                request.append_output_token(token)
-                new_tokens.append(token)
-                status = self._check_stop(request, token)
-                if status is not None:
-                    break  # tokens after a stop are dropped
+            if len(tokens) == 1:  # one sampled token (the hot path)
+                new_tokens = tokens
+                request.append_output_token(tokens[0])
+                status = self._check_stop(request, tokens[0])
+            else:
+                new_tokens = []
+                status = None
+                for token in tokens:
+                    request.append_output_token(token)
+                    new_tokens.append(token)
+                    status = self._check_stop(request, token)
+                    if status is not None:
+                        break  # tokens after a stop are dropped
             new_logprobs = logprobs.get(rid) if logprobs else None
             if new_logprobs is not None:
                 new_logprobs = new_logprobs[:len(new_tokens)]
