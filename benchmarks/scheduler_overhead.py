@@ -9,11 +9,12 @@ Scenarios:
 
 The fake model's work (building ``ModelRunnerOutput``) is not timed. Writes JSON and a PNG plot to
 ``benchmarks/results/`` (or ``--out``). Goal: under 1 ms per step at 256 running requests.
-``--gc off`` runs with the cyclic garbage collector disabled (files get a ``_gc-off`` suffix): the
-difference is what full collections cost a process holding that many requests (the core creates
-no reference cycles per step, so a service may freeze or tune the collector).
+The collector runs as the scheduler service sets it (``--gc service``, the default:
+``scheduler_service/gc_policy.py``); ``--gc default`` keeps CPython's thresholds and ``--gc off``
+disables it (files get a ``_gc-default`` / ``_gc-off`` suffix): the differences are what
+collections cost a process holding that many requests.
 
-    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 400] [--gc default|off] [--out DIR]
+    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 400] [--gc service|default|off] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scheduler_service import gc_policy  # noqa: E402
 from scheduler_service.core import (  # noqa: E402
     ModelRunnerOutput,
     Request,
@@ -184,11 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--gc", choices=("default", "off"), default="default", help="cyclic GC during the run")
+    parser.add_argument("--gc", choices=("service", "default", "off"), default="service",
+                        help="cyclic GC during the run: as the scheduler service sets it, CPython's default, or off")
     args = parser.parse_args(argv)
     if args.gc == "off":
         gc.disable()
-    suffix = "" if args.gc == "default" else "_gc-off"
+    elif args.gc == "service":
+        gc_policy.tune()
+    suffix = "" if args.gc == "service" else f"_gc-{args.gc}"
 
     results = {
         "decode_256": decode_scenario(256, args.steps, args.seed),

@@ -34,9 +34,12 @@ def settings_from_args(args: argparse.Namespace) -> SchedulerConfig:
 
 
 def make_app(settings: SchedulerConfig):
+    from scheduler_service import gc_policy
     from scheduler_service.service import SchedulerApp  # heavy: kept out of ``--help``
 
-    return SchedulerApp(settings)
+    app = SchedulerApp(settings)
+    gc_policy.tune()
+    return app
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     return service_main("scheduler", build_parser, settings_from_args, make_app, argv, env)
