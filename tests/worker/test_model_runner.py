@@ -173,35 +173,3 @@ def test_cpu_kv_cache_is_head_major_memory_behind_the_logical_layout(hf):
     assert key_cache.shape == (50, 8, 2, 16)  # [num_blocks, block_size, num_kv_heads, head_dim]
     assert key_cache.permute(2, 0, 1, 3).is_contiguous()  # memory: [num_kv_heads, num_blocks, ...]
     assert int(key_cache.abs().sum()) == 0 and int(value_cache.abs().sum()) == 0
-
-
-def test_huge_page_zeros_are_zero_writable_and_outlive_their_mapping():
-    import gc
-
-    from worker_service import cpu_memory
-
-    t = cpu_memory.zeros((3, 1000, 16), torch.float32, torch.device("cpu"))
-    gc.collect()  # the mmap object has no other referent than the tensor
-    assert t.shape == (3, 1000, 16) and int(t.abs().sum()) == 0
-    t[2, 999, 15] = 7.0
-    assert float(t.sum()) == 7.0
-    assert cpu_memory.zeros((0, 4), torch.float32, torch.device("cpu")).shape == (0, 4)
-
-
-@pytest.mark.parametrize("how", ["madvise", "touch"])
-def test_populated_zeros_are_resident_before_the_first_write(how, monkeypatch):
-    from worker_service import cpu_memory
-
-    if how == "touch":  # a kernel without MADV_POPULATE_WRITE: madvise refuses, one write per page
-        monkeypatch.setattr(cpu_memory, "_MADV_POPULATE_WRITE", 12345)
-
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    before = rss()
-    t = cpu_memory.zeros((64, 1 << 20), torch.uint8, torch.device("cpu"), populate=True)  # 64 MiB
-    grown = rss() - before
-
-    assert grown >= 60 << 20, f"only {grown >> 20} MiB resident"
-    assert int(t[::4096].sum()) == 0
