@@ -56,6 +56,11 @@ class KeyEntry:
     weight: float = 1.0
 
 
+# A weight is a relative share: 1,000,000 to 1 between two tenants is already all or nothing, and a
+# weight near zero would blow a tenant's virtual-token counter (service / weight) up to infinity.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+
+
 def _parse_entry(line: str) -> KeyEntry | None:
     """A key file line (or an env var item); None for blanks and comments. Raises ValueError
     naming what is wrong (never the key)."""
@@ -70,17 +75,21 @@ def _parse_entry(line: str) -> KeyEntry | None:
     else:
         hexdigest = key_digest(key)
     fields = {"tenant": "", "weight": "1"}
+    given: set[str] = set()
     for k, option in enumerate(options, 2):
         name, sep, value = option.partition("=")
         if not sep or name not in fields or not value:  # the text is not shown: it may be part of a key
             raise ValueError(f"field {k} is not tenant=NAME or weight=NUMBER (a key holds no whitespace)")
+        if name in given:
+            raise ValueError(f"field {k} gives {name} a second time")
+        given.add(name)
         fields[name] = value
     try:
         weight = float(fields["weight"])
     except ValueError:
         weight = math.nan
-    if not math.isfinite(weight) or weight <= 0:
-        raise ValueError(f"weight must be a positive number, got {fields['weight']!r}")
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # NaN fails too
+        raise ValueError(f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, got {fields['weight']!r}")
     return KeyEntry(hexdigest, fields["tenant"], weight)
 
 

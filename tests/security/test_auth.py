@@ -62,10 +62,15 @@ def test_a_key_file_line_names_the_key_s_tenant_and_weight(tmp_path):
     ("secret-key tenant=", "entry 2: field 2 is not tenant=NAME"),
     ("secret-key color=red", "entry 2: field 2 is not tenant=NAME"),
     ("secret key", "entry 2: field 2 is not tenant=NAME"),  # a key with a space: refused, not half-read
-    ("secret-key weight=0", "weight must be a positive number"),
-    ("secret-key weight=-1", "weight must be a positive number"),
-    ("secret-key weight=inf", "weight must be a positive number"),
-    ("secret-key weight=heavy", "weight must be a positive number"),
+    ("secret-key weight=0", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=-1", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=inf", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=nan", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=1e-300", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=1001", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=heavy", "weight must be a number from 0.001 to 1000"),
+    ("secret-key weight=2 weight=3", "entry 2: field 3 gives weight a second time"),
+    ("secret-key tenant=a tenant=b", "entry 2: field 3 gives tenant a second time"),
 ])
 def test_a_bad_tenant_option_fails_at_start_up_without_showing_the_key(tmp_path, line, match):
     keys_file = tmp_path / "keys"
