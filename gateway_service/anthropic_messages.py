@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.messages import GenerateChunk, GenerateInput, checked_user
 from gateway_service.openai_params import _get, _renamed, _sampling, check_keys
 from gateway_service.openai_responses import HTTP_STATUS, ChoiceState
 from gateway_service.tool_calls import (
@@ -160,7 +160,7 @@ def _metadata(body: dict) -> str:
             raise InvalidArgumentError(f"metadata.{key}", "is not supported (only user_id)")
     if not isinstance(metadata.get("user_id", ""), (str, type(None))):
         raise InvalidArgumentError("metadata.user_id", "must be a string")
-    return metadata.get("user_id") or ""
+    return checked_user(metadata.get("user_id") or "", "metadata.user_id")
 
 
 # -- the conversation --------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 
-from gateway_service.messages import GenerateChunk, GenerateInput
+from gateway_service.messages import GenerateChunk, GenerateInput, checked_user
 from gateway_service.tool_calls import ToolChoice, constraint, parse_tools, render_turn, with_tools
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.proto.generation import chat_from_pb, usage_to_pb
@@ -47,7 +47,8 @@ def generate_input_from_pb(msg: generation_pb2.GenerateRequest,
         prompt_token_ids=list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
         model=msg.model, request_id=msg.request_id,
         resume_from_index=msg.resume_from_index if msg.HasField("resume_from_index") else None,
-        priority=msg.priority, cache_salt=msg.cache_salt, include_special_tokens=msg.include_special_tokens,
+        priority=msg.priority, cache_salt=msg.cache_salt, user=checked_user(msg.user),
+        include_special_tokens=msg.include_special_tokens,
         truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
         add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
         continue_final_message=msg.chat.continue_final_message)

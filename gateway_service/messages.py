@@ -8,8 +8,19 @@ from dataclasses import dataclass, field
 
 from gateway_service.tool_calls import ToolCall, ToolChoice
 from servicekit.contract.api import Usage
+from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason, TokenLogprobs
+
+
+MAX_USER_CHARS = 256  # an end-user id; it may become a tenant: a label and a key in the fair queue
+
+
+def checked_user(user: str, field: str = "user") -> str:
+    """An end-user id as given, or InvalidArgumentError naming ``field`` when it is too long."""
+    if len(user) > MAX_USER_CHARS:
+        raise InvalidArgumentError(field, f"at most {MAX_USER_CHARS} characters, got {len(user)}")
+    return user
 
 
 @dataclass(frozen=True, slots=True)

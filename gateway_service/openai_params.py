@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gateway_service.messages import GenerateInput
+from gateway_service.messages import GenerateInput, checked_user
 from servicekit.contract.chat import check_chat_message
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 from servicekit.contract.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
@@ -291,16 +291,10 @@ def _common(body: dict) -> dict[str, Any]:
                 truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int), user=_user(body))
 
 
-MAX_USER_CHARS = 256
-
-
 def _user(body: dict) -> str:
     """OpenAI's end-user id: the tenant of the request's fair share when the gateway has no API
     keys (with keys, the key is the tenant)."""
-    user = _get(body, "user", str, "")
-    if len(user) > MAX_USER_CHARS:
-        raise InvalidArgumentError("user", f"at most {MAX_USER_CHARS} characters, got {len(user)}")
-    return user
+    return checked_user(_get(body, "user", str, ""))
 
 
 def _request(body: dict, inputs: list[GenerateInput], *, logprobs: bool, echo: bool = False,

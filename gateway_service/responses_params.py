@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway_service.messages import checked_user
 from servicekit.contract.errors import InvalidArgumentError, PagedServeError
 
 RESPONSE_ID_RE = re.compile(r"resp_[0-9a-f]{32}")
@@ -125,6 +126,7 @@ def parse_response(body: Any, response_id: str) -> ResponseRequest:
     if max_output is not None and max_output < 1:
         raise InvalidArgumentError("max_output_tokens", f"must be >= 1, got {max_output}")
     tools = [_tool(i, t) for i, t in enumerate(_get(body, "tools", list, []))]
+    user = _get(body, "user", str)
     return ResponseRequest(
         response_id=response_id, input_items=_input_items(body.get("input"), response_id), model=_get(body, "model", str, ""),
         instructions=_get(body, "instructions", str), previous_response_id=previous, store=store,
@@ -132,7 +134,7 @@ def parse_response(body: Any, response_id: str) -> ResponseRequest:
         temperature=_get(body, "temperature", (int, float)), top_p=_get(body, "top_p", (int, float)), tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice")), parallel_tool_calls=_get(body, "parallel_tool_calls", bool, True),
         text_format=_text_format(_get(body, "text", dict, {})), metadata=_metadata(body.get("metadata")),
-        user=_get(body, "user", str))
+        user=None if user is None else checked_user(user))
 
 
 def _check_reasoning(value: Any) -> None:

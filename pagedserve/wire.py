@@ -24,7 +24,7 @@ from servicekit.proto.sampling import (
 
 def build_generate_request(prompt=None, *, messages=None, sampling_params: SamplingParams | None = None,
                            request_id: str = "", model: str = "", priority: int = 0, cache_salt: str = "",
-                           include_special_tokens: bool = False, resume_from_index: int | None = None,
+                           user: str = "", include_special_tokens: bool = False, resume_from_index: int | None = None,
                            add_generation_prompt: bool | None = None, continue_final_message: bool = False,
                            truncate_prompt_tokens: int | None = None, tools=None, tool_choice=None,
                            parallel_tool_calls: bool | None = None, **sampling):
@@ -35,13 +35,15 @@ def build_generate_request(prompt=None, *, messages=None, sampling_params: Sampl
     "auto", "none", "required", or a tool's name / OpenAI's ``{"type": "function", "function":
     {"name": ...}}`` for that one tool.
     ``truncate_prompt_tokens``: keep the prompt's last N tokens (-1: the model's length).
+    ``user``: the end user the request serves (at most 256 characters), its tenant for fair shares
+    when the gateway takes tenants from it (OpenAI's ``user``).
     ``sampling``: SamplingParams fields by name (validated by the gateway, not here)."""
     unknown = set(sampling).difference(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))}")
     msg = generation_pb2.GenerateRequest()
     for name, value in (("request_id", request_id), ("model", model), ("priority", priority),
-                        ("cache_salt", cache_salt), ("include_special_tokens", include_special_tokens),
+                        ("cache_salt", cache_salt), ("user", user), ("include_special_tokens", include_special_tokens),
                         ("resume_from_index", resume_from_index), ("truncate_prompt_tokens", truncate_prompt_tokens)):
         if value is not None:
             _set(msg, name, value)

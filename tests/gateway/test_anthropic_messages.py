@@ -101,6 +101,7 @@ def test_count_tokens_renders_the_chat_the_message_would():
     (dict(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
     (dict(service_tier="priority"), "service_tier"),
     (dict(metadata={"user_id": 7}), "metadata.user_id"),
+    (dict(metadata={"user_id": "u" * 257}), "metadata.user_id"),
     (dict(metadata={"tags": ["a"]}), "metadata.tags"),
     (dict(stop_sequences="END"), "stop_sequences"),
     (dict(stop_sequences=[1]), "stop_sequences"),

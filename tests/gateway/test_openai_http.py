@@ -806,3 +806,23 @@ async def test_the_user_field_is_the_request_s_tenant_in_its_record(stack, hf_to
             await asyncio.gather(*calls, return_exceptions=True)
     tenants = sorted(request_record_from_bytes(fields[DATA_FIELD.encode()]).tenant for _, fields in entries)
     assert tenants == ["", "team-a"]
+
+
+
+async def test_the_sdk_s_user_is_the_request_s_tenant_in_its_record(stack, hf_tokenizer):
+    """The same over gRPC: the SDK's ``user`` argument."""
+    from servicekit.proto.queue import request_record_from_bytes
+    from servicekit.redis_layout import DATA_FIELD
+
+    async with queue_limited_gateway(stack, hf_tokenizer, "tenant-grpc:", 4) as (gateway, redis, keys):
+        async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=30) as sdk:
+            calls = [asyncio.create_task(sdk.generate("hi", max_tokens=2, **({"user": user} if user else {})))
+                     for user in ("team-b", "")]
+            while await redis.xlen(keys.requests) < 2:
+                await asyncio.sleep(0.01)
+            entries = await redis.xrange(keys.requests)
+            for task in calls:
+                task.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+    tenants = sorted(request_record_from_bytes(fields[DATA_FIELD.encode()]).tenant for _, fields in entries)
+    assert tenants == ["", "team-b"]

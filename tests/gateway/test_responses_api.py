@@ -61,6 +61,7 @@ def parsed(**body):
     ({"input": "hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"input": "hi", "previous_response_id": "chatcmpl-1"}, "previous_response_id"),
     ({"input": "hi", "metadata": {"k": 1}}, "metadata.k"),
+    ({"input": "hi", "user": "u" * 257}, "user"),
 ])
 def test_unsupported_or_bad_fields_are_refused_by_name(body, field):
     with pytest.raises(InvalidArgumentError) as caught:

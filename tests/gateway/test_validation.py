@@ -31,6 +31,7 @@ BAD_INPUTS = [
     ("model", dict(prompt="hello", model="no-such-model")),
     ("request_id", dict(prompt="hello", request_id="spaces are not allowed")),
     ("prompt_token_ids", dict(prompt=[1, 2, 10**6])),
+    ("user", dict(prompt="hello", user="u" * 257)),
 ]
 
 

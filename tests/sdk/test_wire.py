@@ -77,3 +77,13 @@ def test_bad_tool_arguments_are_refused_in_the_sdk_by_name(kwargs, field):
     with pytest.raises(InvalidArgumentError) as caught:
         build_generate_request(**kwargs)
     assert caught.value.field == field
+
+
+def test_the_end_user_travels_to_the_gateway_and_a_long_one_is_refused_by_name():
+    # The tenant of the request's fair share when the gateway takes tenants from it (no API keys).
+    assert generate_input_from_pb(build_generate_request("hi", max_tokens=2, user="team-a")).user == "team-a"
+    assert generate_input_from_pb(build_generate_request("hi", max_tokens=2)).user == ""
+    assert generate_input_from_pb(build_generate_request("hi", max_tokens=2, user="u" * 256)).user == "u" * 256
+    with pytest.raises(InvalidArgumentError) as caught:
+        generate_input_from_pb(build_generate_request("hi", max_tokens=2, user="u" * 257))
+    assert caught.value.field == "user" and "at most 256 characters" in str(caught.value)
