@@ -787,42 +787,37 @@ async def test_stop_token_ids_outside_the_vocabulary_are_refused_over_http_and_g
     assert caught.value.field == "stop_token_ids"
 
 
-async def test_the_user_field_is_the_request_s_tenant_in_its_record(stack, hf_tokenizer):
-    """Without API keys a request's tenant (the scheduler's fair share, --policy fair) is its user."""
+async def _tenants_of_queued_requests(redis, keys, calls) -> list[str]:
+    """Run ``calls`` (coroutines) against a gateway whose requests wait in Redis (no scheduler
+    reads them); once all are queued, cancel them and return their records' tenants, sorted."""
     from servicekit.proto.queue import request_record_from_bytes
     from servicekit.redis_layout import DATA_FIELD
 
+    tasks = [asyncio.create_task(call) for call in calls]
+    while await redis.xlen(keys.requests) < len(tasks):
+        await asyncio.sleep(0.01)
+    entries = await redis.xrange(keys.requests)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return sorted(request_record_from_bytes(fields[DATA_FIELD.encode()]).tenant for _, fields in entries)
+
+
+async def test_the_user_field_is_the_request_s_tenant_in_its_record(stack, hf_tokenizer):
+    """Without API keys a request's tenant (the scheduler's fair share, --policy fair) is its user."""
     async with queue_limited_gateway(stack, hf_tokenizer, "tenant-http:", 4) as (gateway, redis, keys):
         base_url = f"http://127.0.0.1:{gateway.http_port}/v1"
         async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30) as client:
-            calls = [asyncio.create_task(client.completions.create(model=stack.model, prompt="hi", max_tokens=2,
-                                                                   **({"user": user} if user else {})))
-                     for user in ("team-a", "")]
-            while await redis.xlen(keys.requests) < 2:
-                await asyncio.sleep(0.01)
-            entries = await redis.xrange(keys.requests)
-            for task in calls:
-                task.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-    tenants = sorted(request_record_from_bytes(fields[DATA_FIELD.encode()]).tenant for _, fields in entries)
+            tenants = await _tenants_of_queued_requests(redis, keys, [
+                client.completions.create(model=stack.model, prompt="hi", max_tokens=2, **({"user": u} if u else {}))
+                for u in ("team-a", "")])
     assert tenants == ["", "team-a"]
-
 
 
 async def test_the_sdk_s_user_is_the_request_s_tenant_in_its_record(stack, hf_tokenizer):
     """The same over gRPC: the SDK's ``user`` argument."""
-    from servicekit.proto.queue import request_record_from_bytes
-    from servicekit.redis_layout import DATA_FIELD
-
     async with queue_limited_gateway(stack, hf_tokenizer, "tenant-grpc:", 4) as (gateway, redis, keys):
         async with AsyncClient(f"127.0.0.1:{gateway.port}", timeout=30) as sdk:
-            calls = [asyncio.create_task(sdk.generate("hi", max_tokens=2, **({"user": user} if user else {})))
-                     for user in ("team-b", "")]
-            while await redis.xlen(keys.requests) < 2:
-                await asyncio.sleep(0.01)
-            entries = await redis.xrange(keys.requests)
-            for task in calls:
-                task.cancel()
-            await asyncio.gather(*calls, return_exceptions=True)
-    tenants = sorted(request_record_from_bytes(fields[DATA_FIELD.encode()]).tenant for _, fields in entries)
+            tenants = await _tenants_of_queued_requests(redis, keys, [
+                sdk.generate("hi", max_tokens=2, **({"user": u} if u else {})) for u in ("team-b", "")])
     assert tenants == ["", "team-b"]
