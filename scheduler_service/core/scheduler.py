@@ -33,6 +33,7 @@ from servicekit.contract.worker import WorkerDescription
 log = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
+_NO_BLOCK_IDS: list[int] = []  # a plan's new block ids when none were needed: shared, never changed
 # Waiting requests (from the head) looked at for a prefix a capped prefill chunk shares with them:
 # those admitted in the next steps, at a bounded cost per step.
 SHARED_PREFIX_LOOKAHEAD = 64
@@ -172,17 +173,19 @@ class Scheduler:
 
         # Phase 1: the running batch.
         i = 0
+        decode_slot = kv.allocate_decode_slot
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids) - request.num_computed_tokens
             if n == 1:  # decoding: no cap applies; usually its last block has room (the hot path)
-                new_blocks = kv.allocate_decode_slot(request)
+                new_blocks = decode_slot(request)
                 if new_blocks is not None:
                     rid = request.request_id
                     num_scheduled[rid] = 1
                     budget -= 1
                     cached_reqs.append(CachedRequestData(
-                        rid, [b.block_id for b in new_blocks] if new_blocks else [], request.num_computed_tokens))
+                        rid, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+                        request.num_computed_tokens))
                     i += 1
                     continue
             n = self._capped(request, request.num_computed_tokens, n, threshold, shared)
@@ -338,6 +341,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         fair = self.waiting if self.config.policy == "fair" else None
+        check_stop = self._check_stop
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
@@ -366,14 +370,14 @@ class Scheduler:
             if len(tokens) == 1:  # one sampled token (the hot path)
                 new_tokens = tokens
                 request.append_output_token(tokens[0])
-                status = self._check_stop(request, tokens[0])
+                status = check_stop(request, tokens[0])
             else:
                 new_tokens = []
                 status = None
                 for token in tokens:
                     request.append_output_token(token)
                     new_tokens.append(token)
-                    status = self._check_stop(request, token)
+                    status = check_stop(request, token)
                     if status is not None:
                         break  # tokens after a stop are dropped
             new_logprobs = logprobs.get(rid) if logprobs else None
