@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,10 +68,44 @@ def redis_pings(port: int) -> bool:
         return False
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (the source ports of outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a child process to bind a moment later.
+
+    Below the ephemeral range where it can: a port the kernel picks for ``bind(0)`` is an
+    ephemeral one, which any outgoing connection (a Redis client, a gRPC channel) may take as its
+    source port before the child binds it ("Address already in use" in a busy test run). A port
+    is handed out once per process."""
+    low = min(_ephemeral_low(), 65536)
+    rng = random.Random()
+    if low > 12000:
+        for _ in range(64):
+            port = rng.randrange(10000, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 @dataclass

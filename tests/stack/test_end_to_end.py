@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -191,3 +192,17 @@ def test_the_launcher_hands_the_output_ttl_to_the_gateway_and_the_scheduler(monk
     for name in ("gateway", "scheduler"):
         assert argv[name][argv[name].index("--output-ttl-s") + 1] == "45", argv[name]
     assert "--output-ttl-s" not in argv["worker"]
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice():
+    # A port from bind(0) is ephemeral: an outgoing connection may take it as its source port
+    # before the child process binds it.
+    from pagedserve import launcher
+
+    low = launcher._ephemeral_low()
+    ports = [launcher.free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    if low > 12000:
+        assert all(10000 <= p < low for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # still free: nothing holds it
