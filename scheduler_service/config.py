@@ -47,7 +47,8 @@ class SchedulerConfig(ServerConfig, MetricsConfig, SchedulingConfig, RedisConfig
                    "scheduling): the worker does not wait for the round trip through this scheduler; a request that "
                    "stops on a stop token computes one token that is dropped, one arriving in a step's last fifth "
                    "waits one step more")
-    discovery_interval_s: float = setting(2.0, above=0, help="registry scan / reconnect period")
+    discovery_interval_s: float = setting(
+        2.0, above=0, help="registry scan / reconnect period (at most 0.25 s while no worker is driven)")
     poll_block_ms: int = setting(1000, minimum=1, help="longest blocking Redis read (bounds shutdown latency)")
     # Fault tolerance (docs/operations.md).
     lease_ttl_s: float = setting(

@@ -1,6 +1,7 @@
 """The workers one scheduler drives: discovery, leases, liveness and rebalancing.
 
-A supervisor pass runs every ``discovery_interval_s``:
+A supervisor pass runs every ``discovery_interval_s`` (every ``SEEKING_INTERVAL_S`` while the
+scheduler drives no worker):
 
 - forget engines whose worker was lost (their requests were handed back already) and release
   their leases;
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
+SEEKING_INTERVAL_S = 0.25  # supervisor passes while no worker is driven (a registry scan each)
 PROBE_TIMEOUT_S = 2.0
 
 
@@ -149,9 +151,16 @@ class WorkerPool:
                     break
                 log.exception("supervisor pass failed")
             try:
-                await asyncio.wait_for(self._wake.wait(), self.settings.discovery_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self._pass_interval())
             except asyncio.TimeoutError:
                 pass
+
+    def _pass_interval(self) -> float:
+        """Seconds to the next supervisor pass: ``discovery_interval_s``, shorter while this
+        scheduler drives no worker (at start, or scaled to zero with requests waiting in Redis: the
+        first worker to register is found within SEEKING_INTERVAL_S, not a whole interval later)."""
+        interval = self.settings.discovery_interval_s
+        return min(interval, SEEKING_INTERVAL_S) if not self.engines else interval
 
     async def _supervise_once(self) -> None:
         await self._reap()

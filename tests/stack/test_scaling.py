@@ -1,7 +1,8 @@
-"""Horizontal scaling, in-process: a worker started while the stack serves takes requests, repeats
-of a shared prefix are routed to the worker that caches it, two schedulers share the request
-stream with a worker each, and a request taken over too often is dead-lettered with an error for
-its client. Each test builds its own stack under its own key prefix."""
+"""Horizontal scaling, in-process: a scheduler with no worker finds the first one at once, a worker
+started while the stack serves takes requests, repeats of a shared prefix are routed to the worker
+that caches it, two schedulers share the request stream with a worker each, and a request taken
+over too often is dead-lettered with an error for its client. Each test builds its own stack under
+its own key prefix."""
 
 from __future__ import annotations
 
@@ -40,10 +41,10 @@ async def serving(prefix: str, redis_url: str, hf_tokenizer, model: str, *, sche
     from scheduler_service.service import SchedulerApp
     from scheduler_service.config import SchedulerConfig
 
+    scheduler_settings.setdefault("discovery_interval_s", 0.1)
     apps = [SchedulerApp(SchedulerConfig(
         redis_url=redis_url, key_prefix=prefix, port=0, workers=workers_each[i] if workers_each else workers,
-        poll_block_ms=200,
-        discovery_interval_s=0.1, consumer=f"{prefix}scheduler-{i}", **scheduler_settings))
+        poll_block_ms=200, consumer=f"{prefix}scheduler-{i}", **scheduler_settings))
         for i in range(schedulers)]
     for app in apps:
         await app.start()
@@ -86,6 +87,25 @@ async def test_a_worker_started_while_serving_takes_requests(tiny_model_dir, hf_
         for worker in (first, second):
             if worker is not None:
                 await worker.drain(1)
+
+
+async def test_a_scheduler_without_a_worker_finds_the_first_one_at_once(tiny_model_dir, hf_model, hf_tokenizer,
+                                                                        redis_server):
+    # Scaled to zero, requests wait for the first worker; the scheduler does not wait out its
+    # discovery interval (30 s here) to find it.
+    prefix = "seek:"
+    worker = None
+    try:
+        async with serving(prefix, redis_server.url, hf_tokenizer, tiny_model_dir,
+                           discovery_interval_s=30.0) as ([scheduler], address):
+            await asyncio.sleep(0.5)  # a pass or two found nothing
+            worker = await start_worker(prefix, tiny_model_dir, hf_model, redis_server.url)
+            await scheduler.wait_for_workers(1, timeout_s=3)
+            async with AsyncClient(address, timeout=60) as client:
+                assert len((await client.generate("hello", max_tokens=4, ignore_eos=True)).token_ids) == 4
+    finally:
+        if worker is not None:
+            await worker.drain(1)
 
 
 async def test_repeats_of_a_shared_prefix_go_to_the_worker_that_caches_it(tiny_model_dir, hf_model, hf_tokenizer,
