@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.aio_client import AsyncClient  # noqa: E402
 from pagedserve.local_cluster import LocalCluster  # noqa: E402
+from tenant_fairness import cpu_flags  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (milestone, the log line that marks it): the worker's own, then the scheduler's
@@ -59,14 +60,6 @@ def first_stamp(log: Path, pattern: re.Pattern, after: float) -> float | None:
             if t is not None and t >= after - 0.01:
                 return t
     return None
-
-
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    return ",".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in text) or "none"
 
 
 async def one_round(args: argparse.Namespace, workdir: Path) -> dict:

@@ -286,12 +286,13 @@ class WorkerEngine:
         return step.total_num_scheduled_tokens == len(step.num_scheduled_tokens)
 
     def _observe_step(self, step: SchedulerOutput, took: float) -> None:
+        def averaged(previous: float, value: float) -> float:  # 0.0: nothing seen yet
+            return value if not previous else 0.5 * previous + 0.5 * value
+
         if self._is_decode_step(step):
-            self._decode_step_s = took if not self._decode_step_s else 0.5 * self._decode_step_s + 0.5 * took
+            self._decode_step_s = averaged(self._decode_step_s, took)
         elif step.total_num_scheduled_tokens:
-            per_token = took / step.total_num_scheduled_tokens
-            self._prefill_token_s = per_token if not self._prefill_token_s else (
-                0.5 * self._prefill_token_s + 0.5 * per_token)
+            self._prefill_token_s = averaged(self._prefill_token_s, took / step.total_num_scheduled_tokens)
 
     def _plan_delay(self, in_flight: SchedulerOutput) -> float | None:
         """Seconds to wait before planning the step after ``in_flight``: until a fifth of its

@@ -41,6 +41,7 @@ def make_app(settings: SchedulerConfig):
     gc_policy.tune()
     return app
 
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     return service_main("scheduler", build_parser, settings_from_args, make_app, argv, env)
 

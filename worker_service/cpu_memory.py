@@ -66,6 +66,7 @@ def _populate_within_budget(mapping: mmap.mmap, flat: torch.Tensor) -> None:
     the pace projects the whole past :data:`HUGE_PAGE_BUDGET_S` (huge pages get slower as free
     memory fragments), the rest is advised ``MADV_NOHUGEPAGE`` and populated with plain pages."""
     nbytes = flat.numel()
+    no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)  # None: the advice cannot be changed, only followed
     started = time.perf_counter()
     done = 0
     while done < nbytes:
@@ -74,11 +75,11 @@ def _populate_within_budget(mapping: mmap.mmap, flat: torch.Tensor) -> None:
         done = end
         elapsed = time.perf_counter() - started
         projected = elapsed * nbytes / done
-        no_huge = getattr(mmap, "MADV_NOHUGEPAGE", None)
-        if done < nbytes and projected > HUGE_PAGE_BUDGET_S and no_huge is not None:
+        if no_huge is not None and done < nbytes and projected > HUGE_PAGE_BUDGET_S:
             try:
                 mapping.madvise(no_huge, done, nbytes - done)  # done: a multiple of the page size
-            except OSError:
+            except OSError:  # refused: the rest keeps the advice it has, asked no more
+                no_huge = None
                 continue
             log.info("huge pages fault in slowly here (%.2f s for the first %d MiB, %.1f s projected for %d MiB): "
                      "the rest of this mapping takes 4 KiB pages", elapsed, done >> 20, projected, nbytes >> 20)

@@ -141,6 +141,10 @@ class LlamaForCausalLM(nn.Module):
         # the KV cache see only the real ones.
         self.pad_rows: Callable[[int], int] | None = None
 
+    def _padded(self, rows: int) -> int:
+        """The rows a GEMM of ``rows`` real ones computes (see ``pad_rows``)."""
+        return rows if self.pad_rows is None else self.pad_rows(rows)
+
     @classmethod
     def config_from_hf(cls, hf_config: Any) -> DecoderConfig:
         return DecoderConfig.from_hf(hf_config)
@@ -148,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, D] in the model dtype (before the LM head)
         num_tokens = input_ids.shape[0]
-        padded = num_tokens if self.pad_rows is None else self.pad_rows(num_tokens)
+        padded = self._padded(num_tokens)
         if padded != num_tokens:  # dead tokens up to the bucket: token 0 at position 0
             input_ids, positions = F.pad(input_ids, (0, padded - num_tokens)), F.pad(positions, (0, padded - num_tokens))
         x = self.embed(input_ids).float()  # [T, D]: the residual stream is fp32 whatever the model dtype
@@ -174,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         rows = hidden.shape[0]
-        padded = rows if self.pad_rows is None else self.pad_rows(rows)
+        padded = self._padded(rows)
         head_input = hidden if padded == rows else F.pad(hidden, (0, 0, 0, padded - rows))
         logits = F.linear(head_input, weight) if self.head_gemm is None else self.head_gemm(head_input)  # [N, V]
         logits = logits[:rows]
