@@ -140,15 +140,20 @@ class InputBatch:
         return row
 
     def update(self, cached: CachedRequestData) -> None:
-        """Append new block ids and take the scheduler's computed-token count."""
-        row = self.rows[cached.request_id]
-        start, added = int(self.num_blocks[row]), len(cached.new_block_ids)
-        if added:
-            if start + added > self.max_blocks_per_req:
-                raise ValueError(f"request {cached.request_id}: block table exceeds {self.max_blocks_per_req} blocks")
-            self.block_table[row, start : start + added] = cached.new_block_ids
-            self.num_blocks[row] = start + added
-        self.num_computed_tokens[row] = cached.num_computed_tokens
+        """Append each held request's new block ids and take the scheduler's computed-token counts
+        (one fancy index for the counts: a decoding batch adds a block to few of its rows)."""
+        if not cached.req_ids:
+            return
+        rows = self.rows
+        index = [rows[rid] for rid in cached.req_ids]  # KeyError: a request this worker does not hold
+        for row, rid, new_block_ids in zip(index, cached.req_ids, cached.new_block_ids):
+            if new_block_ids:
+                start, added = int(self.num_blocks[row]), len(new_block_ids)
+                if start + added > self.max_blocks_per_req:
+                    raise ValueError(f"request {rid}: block table exceeds {self.max_blocks_per_req} blocks")
+                self.block_table[row, start : start + added] = new_block_ids
+                self.num_blocks[row] = start + added
+        self.num_computed_tokens[index] = cached.num_computed_tokens
 
     def remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)

@@ -198,8 +198,7 @@ class ModelRunner:
             batch.remove(rid)
         for new in so.scheduled_new_reqs:
             batch.add(new)
-        for cached in so.scheduled_cached_reqs:
-            batch.update(cached)
+        batch.update(so.scheduled_cached_reqs)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.block_size

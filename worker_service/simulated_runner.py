@@ -75,8 +75,8 @@ class SimulatedRunner:
             self._num_tokens[r.request_id] = len(r.prompt_token_ids) + len(r.output_token_ids)
             self._seed[r.request_id] = r.sampling_params.seed or 0
             computed[r.request_id] = r.num_computed_tokens
-        for r in so.scheduled_cached_reqs:
-            computed[r.request_id] = r.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             total = self._num_tokens[rid]

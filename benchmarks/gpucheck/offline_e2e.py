@@ -40,8 +40,8 @@ class StepLog:
 
         def timed(scheduler_output):
             so = scheduler_output
-            context = sum(r.num_computed_tokens + so.num_scheduled_tokens.get(r.request_id, 0)
-                          for r in [*so.scheduled_new_reqs, *so.scheduled_cached_reqs])
+            context = so.total_num_scheduled_tokens + sum(r.num_computed_tokens for r in so.scheduled_new_reqs) \
+                + sum(so.scheduled_cached_reqs.num_computed_tokens)
             start = time.perf_counter()
             out = execute(so)
             self.steps.append((so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), context,

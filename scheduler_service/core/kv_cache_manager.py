@@ -10,6 +10,7 @@ from scheduler_service.core.request import Request
 
 
 _NO_BLOCKS: list[KVCacheBlock] = []  # returned, never changed: no block was needed
+_NO_BLOCK_IDS: list[int] = []  # the same, as block ids
 
 
 class KVCacheManager:
@@ -116,6 +117,30 @@ class KVCacheManager:
         if self.enable_caching and num_required_tokens // self.block_size > self.num_cached_blocks[rid]:
             self.cache_blocks(request, num_required_tokens)
         return _NO_BLOCKS
+
+    def allocate_decode_slots(self, requests: Sequence[Request]) -> list[list[int]]:
+        """``allocate_decode_slot`` for each of ``requests`` in order, as the ids of the blocks each
+        got (the shared empty list when none: do not mutate it). Stops at the first request the pool
+        cannot serve, so the result may be shorter than ``requests``: that one and the ones after it
+        got nothing."""
+        new_block_ids: list[list[int]] = []
+        add = new_block_ids.append
+        bs = self.block_size
+        tables = self.req_to_blocks
+        num_cached = self.num_cached_blocks if self.enable_caching else None
+        for request in requests:
+            rid = request.request_id
+            num_required_tokens = request.num_computed_tokens + 1
+            if num_required_tokens > len(tables[rid]) * bs:
+                new_blocks = self.allocate_slots(request, 1)
+                if new_blocks is None:
+                    break
+                add([b.block_id for b in new_blocks])
+                continue
+            if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
+                self.cache_blocks(request, num_required_tokens)
+            add(_NO_BLOCK_IDS)
+        return new_block_ids
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),

@@ -118,13 +118,24 @@ class Request:
         """Outputs so far, delivered ones included; also the index of the next output."""
         return len(self.output_token_ids)
 
-    def append_output_token(self, token_id: int) -> None:
-        """Append one sampled token (the hot path); hashes the block it completes, if any."""
-        self.output_token_ids.append(token_id)
+    def append_output_token(self, token_id: int) -> RequestStatus | None:
+        """Append one sampled token (the hot path), hash the block it completes, if any, and return
+        the finished status it brings, or None: STOP on a token of ``stop_token_set`` (EOS unless
+        ignore_eos, and the stop token ids) once ``min_tokens`` outputs exist — also as the last
+        token max_tokens allows, as vLLM checks (the stop token then reads as one) — else LENGTH at
+        max_tokens (admission made prompt + max_tokens <= max_model_len, so this also stops at the
+        model's length). The caller applies the status."""
+        outputs = self.output_token_ids
+        outputs.append(token_id)
         tokens = self.all_token_ids
         tokens.append(token_id)
         if self._block_size and not len(tokens) % self._block_size:
             self._hash_new_full_blocks()
+        if token_id in self.stop_token_set and len(outputs) >= self.sampling_params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if len(outputs) >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; hashes every block they complete (when hashing is on)."""

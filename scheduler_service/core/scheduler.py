@@ -158,7 +158,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         threshold, shared = self._chunk_threshold()
         num_scheduled: dict[str, int] = {}
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         running = self.running
@@ -171,21 +171,35 @@ class Scheduler:
         due, reserve = self._fair_reserve(threshold, budget) if cfg.policy == "fair" else (None, 0)
         others = cfg.shared_prefill_token_threshold or budget  # with ``due``: prefill tokens for the others
 
-        # Phase 1: the running batch.
-        i = 0
+        # Phase 1: the running batch. First the leading run of decoding requests (the hot path of a
+        # decoding batch: one token each, usually room in the last block), then the rest one by one.
         decode_slot = kv.allocate_decode_slot
+        i = 0
+        for request in running if len(running) <= budget else running[:budget]:
+            if len(request.all_token_ids) - request.num_computed_tokens != 1:
+                break
+            i += 1
+        if i:
+            decoding = running[:i] if i < len(running) else running
+            new_block_ids = kv.allocate_decode_slots(decoding)
+            if len(new_block_ids) < i:  # the pool ran short: the rest go one by one, with preemption
+                i = len(new_block_ids)
+                decoding = decoding[:i]
+            rids = [r.request_id for r in decoding]
+            num_scheduled = dict.fromkeys(rids, 1)
+            cached_reqs = CachedRequestData(rids, new_block_ids, [r.num_computed_tokens for r in decoding])
+            budget -= i
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids) - request.num_computed_tokens
-            if n == 1:  # decoding: no cap applies; usually its last block has room (the hot path)
+            if n == 1:  # decoding: no cap applies; usually its last block has room
                 new_blocks = decode_slot(request)
                 if new_blocks is not None:
                     rid = request.request_id
                     num_scheduled[rid] = 1
                     budget -= 1
-                    cached_reqs.append(CachedRequestData(
-                        rid, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
-                        request.num_computed_tokens))
+                    cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+                                       request.num_computed_tokens)
                     i += 1
                     continue
             n = self._capped(request, request.num_computed_tokens, n, threshold, shared)
@@ -205,7 +219,7 @@ class Scheduler:
                 rid = victim.request_id
                 if rid in num_scheduled:  # priority policy: undo its place in this step
                     budget += num_scheduled.pop(rid)
-                    cached_reqs = [c for c in cached_reqs if c.request_id != rid]
+                    cached_reqs.remove(rid)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -217,9 +231,8 @@ class Scheduler:
                 continue  # ``request`` itself was preempted; running[i] is now the next one
             num_scheduled[request.request_id] = n
             budget -= n
-            cached_reqs.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks] if new_blocks else [],
-                request.num_computed_tokens))
+            cached_reqs.append(request.request_id, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+                               request.num_computed_tokens)
             i += 1
 
         # Phase 2: admit waiting requests (not in a step that had to preempt: memory is short).
@@ -308,15 +321,15 @@ class Scheduler:
             num_new_blocks += kv.get_num_new_blocks(request, n + 1)
         if not growing or num_new_blocks > kv.get_num_free_blocks():
             return None  # memory short: schedule() preempts, with the results in (nothing allocated here)
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         num_scheduled: dict[str, int] = {}
         for request, n in growing:
             rid = request.request_id
             new_blocks = kv.allocate_slots(request, n + 1)
             assert new_blocks is not None  # counted above
             num_scheduled[rid] = 1
-            cached_reqs.append(CachedRequestData(rid, [b.block_id for b in new_blocks] if new_blocks else [],
-                                                 request.num_computed_tokens + n))
+            cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+                               request.num_computed_tokens + n)
         output = SchedulerOutput(scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
                                  total_num_scheduled_tokens=len(num_scheduled),
                                  finished_req_ids=self.finished_req_ids)
@@ -339,9 +352,9 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         requests = self.requests
         outputs: list[EngineCoreOutput] = []
-        any_finished = False
+        add_output = outputs.append
+        finished: list[tuple[Request, RequestStatus]] = []
         fair = self.waiting if self.config.policy == "fair" else None
-        check_stop = self._check_stop
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
@@ -366,32 +379,31 @@ class Scheduler:
             if not tokens:
                 continue
 
-            first_index = len(request.output_token_ids)
+            first_index = num_tokens - request.num_prompt_tokens
             if len(tokens) == 1:  # one sampled token (the hot path)
                 new_tokens = tokens
-                request.append_output_token(tokens[0])
-                status = check_stop(request, tokens[0])
+                status = request.append_output_token(tokens[0])
             else:
                 new_tokens = []
-                status = None
                 for token in tokens:
-                    request.append_output_token(token)
                     new_tokens.append(token)
-                    status = check_stop(request, token)
+                    status = request.append_output_token(token)
                     if status is not None:
                         break  # tokens after a stop are dropped
-            new_logprobs = logprobs.get(rid) if logprobs else None
-            if new_logprobs is not None:
-                new_logprobs = new_logprobs[:len(new_tokens)]
-            output = EngineCoreOutput(rid, new_tokens, first_index, None if status is None else status.finish_reason(),
-                                      new_logprobs, request.num_cached_tokens)
+            if logprobs and rid in logprobs:
+                output = EngineCoreOutput(rid, new_tokens, first_index, None, logprobs[rid][:len(new_tokens)],
+                                          request.num_cached_tokens)
+            else:
+                output = EngineCoreOutput(rid, new_tokens, first_index, None, None, request.num_cached_tokens)
             if request.prompt_logprobs is not None and first_index == 0:
                 output.prompt_logprobs = self._take_prompt_logprobs(request)
-            outputs.append(output)
+            add_output(output)
             if status is not None:
+                output.finish_reason = status.finish_reason()
+                finished.append((request, status))
+        if finished:
+            for request, status in finished:
                 self._finish(request, status)
-                any_finished = True
-        if any_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
@@ -477,19 +489,6 @@ class Scheduler:
         b = 2 * context + 1  # the largest m with m*m + b*m <= 2*limit
         m = (math.isqrt(b * b + 8 * limit) - b) // 2
         return min(n, max(m, MIN_PREFILL_CHUNK_TOKENS))
-
-    @staticmethod
-    def _check_stop(request: Request, token: int) -> RequestStatus | None:
-        """The finished status after ``token`` was appended, or None: STOP on EOS (unless ignore_eos)
-        or a stop token id once min_tokens outputs exist — also as the last token max_tokens allows,
-        as vLLM checks (the stop token then reads as one) — else LENGTH at max_tokens (admission made
-        prompt + max_tokens <= max_model_len, so this also stops at the model's length)."""
-        num_out = len(request.output_token_ids)
-        if token in request.stop_token_set and num_out >= request.sampling_params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
-        if num_out >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     # -- aborts, preemption, bookkeeping --------------------------------------------------------------
 

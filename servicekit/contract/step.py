@@ -5,7 +5,8 @@ ids and block table between steps, so a step carries new requests in full and, f
 worker already holds, only their newly allocated block ids and computed-token counts.
 
 Invariants a worker may rely on:
-- A request id appears in at most one of ``scheduled_new_reqs`` / ``scheduled_cached_reqs`` per step.
+- A request id appears at most once among ``scheduled_new_reqs`` and ``scheduled_cached_reqs.req_ids``
+  per step.
 - Block tables are append-only while a request runs: ``new_block_ids`` extend the table.
 - A preempted request is dropped by the worker (its id is in ``preempted_req_ids``); when it runs
   again it arrives as a new request carrying prompt + every output token it already has.
@@ -24,6 +25,7 @@ Invariants a worker may rely on:
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from servicekit.contract.sampling_params import SamplingParams
@@ -52,11 +54,27 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the worker already holds: only what changed."""
+    """The requests the worker already holds, only what changed, as columns (as vLLM's): entry ``i``
+    of each list belongs to request ``req_ids[i]``. One object per step rather than one per
+    request: a step of a thousand decoding requests builds three lists, and the wire carries them
+    as packed columns (``servicekit.proto.step``)."""
 
-    request_id: str
-    new_block_ids: list[int]  # appended to its block table
-    num_computed_tokens: int  # tokens whose KV was computed before this step
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)  # appended to its block table; read only
+    num_computed_tokens: list[int] = field(default_factory=list)  # tokens whose KV was computed before this step
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def append(self, request_id: str, new_block_ids: Sequence[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(request_id)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+    def remove(self, request_id: str) -> None:
+        """Take ``request_id``'s entry out (a request preempted after it was planned)."""
+        i = self.req_ids.index(request_id)
+        del self.req_ids[i], self.new_block_ids[i], self.num_computed_tokens[i]
 
 
 @dataclass(slots=True)
@@ -64,7 +82,7 @@ class SchedulerOutput:
     """One step's plan: which requests run, how many tokens each, and what changed since last step."""
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)

@@ -9,6 +9,8 @@ message: they belong to the stream, not to the dataclasses.
 
 from __future__ import annotations
 
+from itertools import chain
+
 from servicekit.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -18,6 +20,8 @@ from servicekit.contract.step import (
 from servicekit.contract.worker import WorkerDescription
 from servicekit.proto.pb import worker_pb2
 from servicekit.proto.sampling import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
+
+_NO_BLOCK_IDS: list[int] = []  # a held request's new block ids when it got none: shared, read only
 
 
 def worker_description_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
@@ -39,7 +43,9 @@ def worker_description_from_pb(msg: worker_pb2.DescribeResponse) -> WorkerDescri
 
 
 def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.StepRequest:
-    """The step's diff as the scheduler sends it; each request carries its ``num_scheduled_tokens``."""
+    """The step's diff as the scheduler sends it; each request carries its ``num_scheduled_tokens``.
+    The held requests go as packed columns: a decoding batch costs a few list copies, not a
+    message per request."""
     msg = worker_pb2.StepRequest(
         step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
         finished_req_ids=so.finished_req_ids, preempted_req_ids=so.preempted_req_ids)
@@ -50,10 +56,16 @@ def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.Step
             block_ids=r.block_ids, num_computed_tokens=r.num_computed_tokens,
             num_scheduled_tokens=n[r.request_id])
         sampling_params_to_pb(r.sampling_params, new.sampling_params)
-    for r in so.scheduled_cached_reqs:
-        msg.scheduled_cached_reqs.add(
-            request_id=r.request_id, new_block_ids=r.new_block_ids, num_computed_tokens=r.num_computed_tokens,
-            num_scheduled_tokens=n[r.request_id])
+    cached = so.scheduled_cached_reqs
+    if cached.req_ids:
+        out = msg.scheduled_cached_reqs
+        out.request_ids.extend(cached.req_ids)
+        out.num_computed_tokens.extend(cached.num_computed_tokens)
+        out.num_scheduled_tokens.extend(map(n.__getitem__, cached.req_ids))
+        counts = list(map(len, cached.new_block_ids))
+        if any(counts):  # left out when no request got a block
+            out.num_new_block_ids.extend(counts)
+            out.new_block_ids.extend(chain.from_iterable(cached.new_block_ids))
     return msg
 
 
@@ -69,14 +81,22 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
             sampling_params=sampling_params_from_pb(r.sampling_params, trusted=True),
             block_ids=list(r.block_ids), num_computed_tokens=r.num_computed_tokens))
         num_scheduled[r.request_id] = r.num_scheduled_tokens
-    cached_reqs = []
-    for r in msg.scheduled_cached_reqs:
-        cached_reqs.append(CachedRequestData(
-            request_id=r.request_id, new_block_ids=list(r.new_block_ids),
-            num_computed_tokens=r.num_computed_tokens))
-        num_scheduled[r.request_id] = r.num_scheduled_tokens
+    columns = msg.scheduled_cached_reqs
+    req_ids = list(columns.request_ids)
+    num_scheduled.update(zip(req_ids, columns.num_scheduled_tokens))
+    counts = columns.num_new_block_ids
+    if counts:
+        if len(counts) != len(req_ids) or sum(counts) != len(columns.new_block_ids):
+            raise ValueError("a step's block id counts do not match its requests and block ids")
+        flat, new_block_ids, start = columns.new_block_ids, [], 0
+        for count in counts:
+            new_block_ids.append(list(flat[start:start + count]) if count else _NO_BLOCK_IDS)
+            start += count
+    else:
+        new_block_ids = [_NO_BLOCK_IDS] * len(req_ids)
+    cached = CachedRequestData(req_ids, new_block_ids, list(columns.num_computed_tokens))
     return SchedulerOutput(
-        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
         num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids), preempted_req_ids=set(msg.preempted_req_ids))
 
@@ -84,22 +104,36 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
 def runner_output_to_pb(output: ModelRunnerOutput, step_id: int, execute_seconds: float
                         ) -> worker_pb2.StepResponse:
     msg = worker_pb2.StepResponse(step_id=step_id, execute_seconds=execute_seconds)
-    logprobs = output.logprobs
-    for rid, token_ids in output.sampled_token_ids.items():
-        sampled = msg.outputs.add(request_id=rid, token_ids=token_ids)
-        if logprobs and rid in logprobs:
-            logprobs_to_pb(logprobs[rid], sampled.logprobs)
+    sampled = output.sampled_token_ids
+    if sampled:
+        out = msg.sampled
+        out.request_ids.extend(sampled)
+        tokens = sampled.values()
+        counts = list(map(len, tokens))
+        if counts.count(1) != len(counts):  # left out when every request sampled one token
+            out.num_token_ids.extend(counts)
+        out.token_ids.extend(chain.from_iterable(tokens))
+        for rid, entries in output.logprobs.items():
+            logprobs_to_pb(entries, out.logprobs.add(request_id=rid).logprobs)
     for rid, (first_index, items) in output.prompt_logprobs.items():
         logprobs_to_pb(items, msg.prompt_logprobs.add(request_id=rid, first_index=first_index).logprobs)
     return msg
 
 
 def runner_output_from_pb(msg: worker_pb2.StepResponse) -> ModelRunnerOutput:
-    sampled: dict[str, list[int]] = {}
-    logprobs = {}
-    for out in msg.outputs:
-        sampled[out.request_id] = list(out.token_ids)
-        if out.logprobs:
-            logprobs[out.request_id] = logprobs_from_pb(out.logprobs)
+    columns = msg.sampled
+    request_ids, counts, token_ids = columns.request_ids, columns.num_token_ids, columns.token_ids
+    if not counts:  # one token each: the usual step
+        if len(request_ids) != len(token_ids):
+            raise ValueError(f"a step's answer names {len(request_ids)} requests and {len(token_ids)} tokens")
+        sampled = {rid: [token] for rid, token in zip(request_ids, token_ids)}
+    else:
+        if len(counts) != len(request_ids) or sum(counts) != len(token_ids):
+            raise ValueError("a step's answer has token counts that do not match its requests and tokens")
+        sampled, start = {}, 0
+        for rid, count in zip(request_ids, counts):
+            sampled[rid] = list(token_ids[start:start + count])
+            start += count
+    logprobs = {entry.request_id: logprobs_from_pb(entry.logprobs) for entry in columns.logprobs}
     prompt = {p.request_id: (p.first_index, logprobs_from_pb(p.logprobs)) for p in msg.prompt_logprobs}
     return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt)

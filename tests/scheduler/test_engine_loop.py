@@ -38,10 +38,13 @@ class ScriptedWorker:
         for r in so.scheduled_new_reqs:
             self.tokens[r.request_id] = len(r.prompt_token_ids) + len(r.output_token_ids)
         sampled = {}
-        for r in [*so.scheduled_new_reqs, *so.scheduled_cached_reqs]:
-            if r.num_computed_tokens + so.num_scheduled_tokens[r.request_id] >= self.tokens[r.request_id]:
-                sampled[r.request_id] = [7]
-                self.tokens[r.request_id] += 1
+        cached = so.scheduled_cached_reqs
+        computed = {r.request_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, num_computed_tokens in computed.items():
+            if num_computed_tokens + so.num_scheduled_tokens[rid] >= self.tokens[rid]:
+                sampled[rid] = [7]
+                self.tokens[rid] += 1
         await asyncio.sleep(0)
         return ModelRunnerOutput(sampled_token_ids=sampled)
 

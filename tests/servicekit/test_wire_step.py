@@ -4,6 +4,8 @@ field, dataclass -> protobuf -> dataclass and protobuf -> dataclass -> protobuf.
 
 from __future__ import annotations
 
+import pytest
+
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import (
     CachedRequestData,
@@ -26,8 +28,8 @@ def make_step() -> SchedulerOutput:
     return SchedulerOutput(
         scheduled_new_reqs=[NewRequestData("a", [1, 2, 3], [4], SamplingParams(seed=5, max_tokens=9, top_k=3),
                                            [1, 2], 16)],
-        scheduled_cached_reqs=[CachedRequestData("b", [7], 30)],
-        num_scheduled_tokens={"a": 4, "b": 1}, total_num_scheduled_tokens=5,
+        scheduled_cached_reqs=CachedRequestData(["b", "e"], [[7], []], [30, 8]),
+        num_scheduled_tokens={"a": 4, "b": 1, "e": 2}, total_num_scheduled_tokens=7,
         finished_req_ids={"c"}, preempted_req_ids={"d"})
 
 
@@ -59,3 +61,32 @@ def test_runner_output_round_trips_between_worker_and_scheduler():
     assert (msg.step_id, msg.execute_seconds) == (7, 0.25)
     assert step.runner_output_from_pb(msg) == out
     assert step.runner_output_to_pb(step.runner_output_from_pb(msg), 7, 0.25) == msg
+
+
+def test_a_decoding_step_goes_as_columns_without_per_request_counts():
+    """The common step: every held request decodes one token, few get a block. The counts columns
+    are left out when they say nothing (no block, one token each) and come back as such."""
+    ids = [f"r{k}" for k in range(5)]
+    so = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(ids, [[]] * 5, [10, 11, 12, 13, 14]),
+                         num_scheduled_tokens=dict.fromkeys(ids, 1), total_num_scheduled_tokens=5)
+    msg = step.scheduler_output_to_pb(so, 1)
+    assert not msg.scheduled_cached_reqs.num_new_block_ids and not msg.scheduled_cached_reqs.new_block_ids
+    assert step.scheduler_output_from_pb(msg) == so
+    out = ModelRunnerOutput(sampled_token_ids={rid: [100 + k] for k, rid in enumerate(ids)})
+    answer = step.runner_output_to_pb(out, 1, 0.0)
+    assert not answer.sampled.num_token_ids and list(answer.sampled.token_ids) == [100, 101, 102, 103, 104]
+    assert step.runner_output_from_pb(answer) == out
+
+
+def test_columns_that_do_not_add_up_are_refused():
+    answer = step.runner_output_to_pb(ModelRunnerOutput(sampled_token_ids={"a": [1], "b": [2]}), 1, 0.0)
+    answer.sampled.token_ids.append(3)  # three tokens for two requests, no counts
+    with pytest.raises(ValueError, match="2 requests and 3 tokens"):
+        step.runner_output_from_pb(answer)
+    answer.sampled.num_token_ids.extend([1, 1])  # counts that sum to 2 of 3
+    with pytest.raises(ValueError, match="token counts"):
+        step.runner_output_from_pb(answer)
+    msg = step.scheduler_output_to_pb(make_step(), 1)
+    msg.scheduled_cached_reqs.num_new_block_ids.append(4)  # a count for a request that is not there
+    with pytest.raises(ValueError, match="block id counts"):
+        step.scheduler_output_from_pb(msg)

@@ -97,11 +97,19 @@ def new_req(request_id: str, prompt: list[int], block_ids: list[int], *, outputs
                           list(block_ids), num_computed_tokens)
 
 
-def step(new: list[NewRequestData] = (), cached: list[CachedRequestData] = (), *,
+def held(*entries: tuple[str, list[int], int]) -> CachedRequestData:
+    """The held requests of a step from ``(request_id, new_block_ids, num_computed_tokens)`` entries."""
+    cached = CachedRequestData()
+    for request_id, new_block_ids, num_computed_tokens in entries:
+        cached.append(request_id, new_block_ids, num_computed_tokens)
+    return cached
+
+
+def step(new: list[NewRequestData] = (), cached: list[tuple[str, list[int], int]] = (), *,
          num_scheduled: dict[str, int], finished: set[str] = frozenset(),
          preempted: set[str] = frozenset()) -> SchedulerOutput:
     return SchedulerOutput(
-        scheduled_new_reqs=list(new), scheduled_cached_reqs=list(cached), num_scheduled_tokens=dict(num_scheduled),
+        scheduled_new_reqs=list(new), scheduled_cached_reqs=held(*cached), num_scheduled_tokens=dict(num_scheduled),
         total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=set(finished),
         preempted_req_ids=set(preempted),
     )

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from servicekit.contract.step import CachedRequestData
 from worker.factories import make_hf_model, make_runner, new_req, random_prompts, step
 from worker_service.models import cpu_gemm
 from worker_service.models.cpu_gemm import PackedLinear
@@ -32,7 +31,7 @@ def _greedy_tokens(runner, prompts, num_decodes=3):
     out = runner.execute_model(step(reqs, num_scheduled={r.request_id: len(r.prompt_token_ids) for r in reqs}))
     tokens = {rid: list(t) for rid, t in out.sampled_token_ids.items()}
     for k in range(num_decodes):
-        cached = [CachedRequestData(r.request_id, [], len(r.prompt_token_ids) + k) for r in reqs]
+        cached = [(r.request_id, [], len(r.prompt_token_ids) + k) for r in reqs]
         out = runner.execute_model(step([], cached, num_scheduled={r.request_id: 1 for r in reqs}))
         for rid, t in out.sampled_token_ids.items():
             tokens[rid] += t

@@ -37,7 +37,7 @@ def test_prompt_logprobs_are_computed_only_before_the_first_output():
 def test_update_appends_blocks_and_takes_computed_count():
     batch = make_batch()
     row = batch.add(new_req("a", [1] * 5, [3, 4]))
-    batch.update(CachedRequestData("a", [8], 5))
+    batch.update(CachedRequestData(["a"], [[8]], [5]))
     assert batch.block_table[row, :3].tolist() == [3, 4, 8]
     assert batch.num_computed_tokens[row] == 5
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from servicekit.contract.errors import InvalidArgumentError
-from servicekit.contract.step import CachedRequestData
 from worker.factories import hf_greedy, make_hf_model, make_runner, new_req, random_prompts, step
 from worker_service.config import ModelRunnerConfig
 from worker_service.kv_cache import bytes_per_block
@@ -63,10 +62,10 @@ def test_chunked_prefill_then_decode_matches_transformers(hf):
 
     out = runner.execute_model(step([new_req("a", prompt, blocks)], num_scheduled={"a": 5}))
     assert out.sampled_token_ids == {}  # a partial chunk samples nothing
-    out = runner.execute_model(step(cached=[CachedRequestData("a", [], 5)], num_scheduled={"a": 6}))
+    out = runner.execute_model(step(cached=[("a", [], 5)], num_scheduled={"a": 6}))
     tokens = out.sampled_token_ids["a"]
     for i in range(7):
-        out = runner.execute_model(step(cached=[CachedRequestData("a", [], 11 + i)], num_scheduled={"a": 1}))
+        out = runner.execute_model(step(cached=[("a", [], 11 + i)], num_scheduled={"a": 1}))
         tokens += out.sampled_token_ids["a"]
     assert tokens == expected
 
@@ -77,7 +76,7 @@ def test_batch_of_prefills_and_decodes_in_one_step(hf):
     out = runner.execute_model(step([new_req("a", p1, [1, 2])], num_scheduled={"a": 6}))
     first = out.sampled_token_ids["a"]
     # "a" decodes while "b" prefills in the same step
-    out = runner.execute_model(step([new_req("b", p2, [3, 4, 5])], [CachedRequestData("a", [], 6)],
+    out = runner.execute_model(step([new_req("b", p2, [3, 4, 5])], [("a", [], 6)],
                                     num_scheduled={"a": 1, "b": 9}))
     assert out.sampled_token_ids["a"] == hf_greedy(hf, p1, 2)[1:] and first == hf_greedy(hf, p1, 1)
     assert out.sampled_token_ids["b"] == hf_greedy(hf, p2, 1)
@@ -111,7 +110,7 @@ def test_empty_step_and_unknown_request(hf):
     runner = make_runner(hf)
     assert runner.execute_model(step(num_scheduled={})).sampled_token_ids == {}
     with pytest.raises(KeyError):
-        runner.execute_model(step(cached=[CachedRequestData("nope", [], 0)], num_scheduled={"nope": 1}))
+        runner.execute_model(step(cached=[("nope", [], 0)], num_scheduled={"nope": 1}))
 
 
 def test_logprobs_come_back_for_requests_that_ask(hf):
@@ -160,7 +159,7 @@ def test_triton_backend_gives_the_same_tokens(hf):
         out = runner.execute_model(step([new_req("a", prompts[0], [1, 2, 3, 4]), new_req("b", prompts[1], [5, 6])],
                                         num_scheduled={"a": 9, "b": 3}))
         got = [out.sampled_token_ids["a"], out.sampled_token_ids["b"]]
-        out = runner.execute_model(step(cached=[CachedRequestData("a", [], 9), CachedRequestData("b", [], 3)],
+        out = runner.execute_model(step(cached=[("a", [], 9), ("b", [], 3)],
                                         num_scheduled={"a": 1, "b": 1}))
         tokens[backend] = [got[0] + out.sampled_token_ids["a"], got[1] + out.sampled_token_ids["b"]]
         assert runner.attention_backend == backend

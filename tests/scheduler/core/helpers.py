@@ -136,7 +136,7 @@ class FakeWorker:
             assert rid in self.held, f"preempted {rid} was not held"
             del self.held[rid]
         new_ids = {n.request_id for n in out.scheduled_new_reqs}
-        cached_ids = {c.request_id for c in out.scheduled_cached_reqs}
+        cached_ids = set(out.scheduled_cached_reqs.req_ids)
         assert not new_ids & cached_ids
         assert new_ids | cached_ids == set(out.num_scheduled_tokens)
         assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
@@ -148,10 +148,13 @@ class FakeWorker:
                                 len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens)
             assert new.num_computed_tokens % self.block_size == 0
             self.held[new.request_id] = held
-        for cached in out.scheduled_cached_reqs:
-            held = self.held[cached.request_id]
-            assert cached.num_computed_tokens == held.num_computed_tokens
-            held.block_ids.extend(cached.new_block_ids)
+        cached = out.scheduled_cached_reqs
+        assert len(cached.req_ids) == len(cached.new_block_ids) == len(cached.num_computed_tokens)
+        for rid, new_block_ids, num_computed_tokens in zip(cached.req_ids, cached.new_block_ids,
+                                                          cached.num_computed_tokens):
+            held = self.held[rid]
+            assert num_computed_tokens == held.num_computed_tokens
+            held.block_ids.extend(new_block_ids)
         sampled: dict[str, list[int]] = {}
         bs = self.block_size
         # Write every scheduled token's KV first (per layer, as a real batch does), then sample.

@@ -50,11 +50,12 @@ def test_the_next_decode_step_is_planned_while_one_runs():
     assert second.num_scheduled_tokens == {a.request_id: 1, b.request_id: 1}
     assert second.total_num_scheduled_tokens == 2 and not second.scheduled_new_reqs
     # the worker is told the counts it will have once ``first`` ran
-    assert {c.request_id: c.num_computed_tokens for c in second.scheduled_cached_reqs} == {
+    cached = second.scheduled_cached_reqs
+    assert dict(zip(cached.req_ids, cached.num_computed_tokens)) == {
         a.request_id: a.num_computed_tokens + 1, b.request_id: b.num_computed_tokens + 1}
     # a: 6 prompt + 1 output = 7 tokens in 2 blocks; its continuation computes position 7 (still block 2)
     # b: 3 + 1 = 4 tokens fill one block; position 4 needs a second block
-    blocks = {c.request_id: c.new_block_ids for c in second.scheduled_cached_reqs}
+    blocks = dict(zip(cached.req_ids, cached.new_block_ids))
     assert blocks[a.request_id] == [] and len(blocks[b.request_id]) == 1
     out1 = s.update_from_output(first, model_output(s, first, 40))
     out2 = s.update_from_output(second, model_output(s, second, 41))

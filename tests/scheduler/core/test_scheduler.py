@@ -60,8 +60,8 @@ def test_prefill_and_decode_mix_in_one_batch():
     out = s.schedule()
     assert out.num_scheduled_tokens == {a.request_id: 1, b.request_id: 7}
     assert out.total_num_scheduled_tokens == 8
-    (cached,) = out.scheduled_cached_reqs
-    assert (cached.request_id, cached.num_computed_tokens, cached.new_block_ids) == (a.request_id, 10, [])
+    cached = out.scheduled_cached_reqs
+    assert (cached.req_ids, cached.num_computed_tokens, cached.new_block_ids) == ([a.request_id], [10], [[]])
     assert [n.request_id for n in out.scheduled_new_reqs] == [b.request_id]
     sampled = model_output(s, out, {a.request_id: 7, b.request_id: 8})
     results = {o.request_id: o for o in s.update_from_output(out, sampled)}
@@ -100,7 +100,7 @@ def test_long_prefill_threshold_caps_each_chunk():
         out, _ = step(s)
         chunks.append(out.num_scheduled_tokens[r.request_id])
         new_blocks.append(len(out.scheduled_new_reqs[0].block_ids) if out.scheduled_new_reqs
-                          else len(out.scheduled_cached_reqs[0].new_block_ids))
+                          else len(out.scheduled_cached_reqs.new_block_ids[0]))
     assert chunks == [12, 12, 12, 4]
     assert new_blocks == [3, 3, 3, 1]  # block tables grow with the chunks
 
@@ -194,7 +194,8 @@ def test_priority_preemption_takes_back_a_victim_already_scheduled_this_step():
     out = s.schedule()  # background fits and is scheduled, then urgent needs a block: background goes
     assert out.preempted_req_ids == {background.request_id}
     assert out.num_scheduled_tokens == {urgent.request_id: 1, normal.request_id: 1}
-    assert [c.request_id for c in out.scheduled_cached_reqs] == [urgent.request_id, normal.request_id]
+    assert out.scheduled_cached_reqs.req_ids == [urgent.request_id, normal.request_id]
+    assert len(out.scheduled_cached_reqs.new_block_ids) == len(out.scheduled_cached_reqs.num_computed_tokens) == 2
     assert out.total_num_scheduled_tokens == 2 and s.running == [urgent, normal]
 
 
