@@ -119,18 +119,20 @@ class KVCacheManager:
         return _NO_BLOCKS
 
     def allocate_decode_slots(self, requests: Sequence[Request]) -> list[list[int]]:
-        """``allocate_decode_slot`` for each of ``requests`` in order, as the ids of the blocks each
-        got (the shared empty list when none: do not mutate it). Stops at the first request the pool
-        cannot serve, so the result may be shorter than ``requests``: that one and the ones after it
-        got nothing."""
+        """``allocate_decode_slot`` for the leading run of ``requests`` that are decoding (one token
+        left to compute) and that the pool can serve, as the ids of the blocks each got (the shared
+        empty list when none: do not mutate it). The result is as long as that run: the first
+        request not decoding, or not served, and those after it got nothing."""
         new_block_ids: list[list[int]] = []
         add = new_block_ids.append
         bs = self.block_size
         tables = self.req_to_blocks
         num_cached = self.num_cached_blocks if self.enable_caching else None
         for request in requests:
-            rid = request.request_id
             num_required_tokens = request.num_computed_tokens + 1
+            if len(request.all_token_ids) != num_required_tokens:
+                break  # not decoding
+            rid = request.request_id
             if num_required_tokens > len(tables[rid]) * bs:
                 new_blocks = self.allocate_slots(request, 1)
                 if new_blocks is None:

@@ -174,17 +174,10 @@ class Scheduler:
         # Phase 1: the running batch. First the leading run of decoding requests (the hot path of a
         # decoding batch: one token each, usually room in the last block), then the rest one by one.
         decode_slot = kv.allocate_decode_slot
-        i = 0
-        for request in running if len(running) <= budget else running[:budget]:
-            if len(request.all_token_ids) - request.num_computed_tokens != 1:
-                break
-            i += 1
+        new_block_ids = kv.allocate_decode_slots(running if len(running) <= budget else running[:budget])
+        i = len(new_block_ids)
         if i:
             decoding = running[:i] if i < len(running) else running
-            new_block_ids = kv.allocate_decode_slots(decoding)
-            if len(new_block_ids) < i:  # the pool ran short: the rest go one by one, with preemption
-                i = len(new_block_ids)
-                decoding = decoding[:i]
             rids = [r.request_id for r in decoding]
             num_scheduled = dict.fromkeys(rids, 1)
             cached_reqs = CachedRequestData(rids, new_block_ids, [r.num_computed_tokens for r in decoding])
@@ -395,7 +388,7 @@ class Scheduler:
                                           request.num_cached_tokens)
             else:
                 output = EngineCoreOutput(rid, new_tokens, first_index, None, None, request.num_cached_tokens)
-            if request.prompt_logprobs is not None and first_index == 0:
+            if not first_index and request.prompt_logprobs is not None:
                 output.prompt_logprobs = self._take_prompt_logprobs(request)
             add_output(output)
             if status is not None:
