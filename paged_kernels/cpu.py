@@ -19,8 +19,11 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   without AMX the kernel ran 2-3x SDPA's CPU flash kernel on prompts of 64-512 tokens, level at
   2,048 (``python benchmarks/cpu_kernels.py --part prefill``). A row's attention is then the same
   arithmetic whether its token was prefilled or decoded, so a recomputed prefill (a resume after a
-  fault) repeats it exactly. On a CPU with AMX, bf16 chunks past ``_SDPA_MIN_PAIRS`` go to SDPA,
-  whose tile GEMMs are 2-4x faster there. Elsewhere (no compiler, no AVX-512, other head sizes) a
+  fault) repeats it exactly. On a CPU with AMX, bf16 chunks of ``_AMX_MIN_ROWS`` tokens or more run
+  on the tile registers (``csrc/amx_prefill_attention.c``: a flash-attention loop, 16 tokens by 32
+  keys a step; 2-2.5x SDPA's CPU kernel on chunks of 128-512 tokens), or, where Linux refuses the
+  tiles, chunks past ``_SDPA_MIN_PAIRS`` go to SDPA, whose tile GEMMs are 2-4x faster there than a
+  row per token. Elsewhere (no compiler, no AVX-512, other head sizes) a
   chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk
   has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32).
 
@@ -140,11 +143,52 @@ def _vectorized(head_dim: int) -> bool:
     return fn is not None and bool(fn(head_dim))
 
 
+_AMX_KERNEL = "amx_prefill_attention"
+# A tile holds 16 query tokens: below about 8 the rows left empty cost more than a row per token
+# (python benchmarks/cpu_kernels.py --part prefill; Intel Xeon with AMX-BF16, 2 threads: 8 rows over
+# 1,000 positions 1.3x faster on tiles, 4 rows 0.7x).
+_AMX_MIN_ROWS = 8
+_AMX_ARGTYPES = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I32, _I32, _P, _I64, _I64,
+                 _I32, _I32, _I32, _I32, native.FLOAT, _I32]
+
+
+def amx_prefill_available(head_dim: int = 64) -> bool:
+    """Whether bf16 prefill chunks of ``head_dim`` run on AMX tiles here: the CPU has AMX-BF16, the
+    kernel was built for it, and Linux lets this process use the tile registers."""
+    if native_bf16() != "amx_bf16":
+        return False
+    fn = native.function(_AMX_KERNEL, "amx_prefill_available", [_I32], ctypes.c_int)
+    return fn is not None and bool(fn(head_dim))
+
+
+def _amx_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_len: int, scale: float, out: torch.Tensor) -> bool:
+    """A bf16 chunk's attention on AMX tiles (``csrc/amx_prefill_attention.c``), written into
+    ``out``; False, writing nothing, where it does not apply (no AMX-BF16, not bf16, head size not
+    64 or 128, strides it does not take, no permission for the tiles)."""
+    if (query.shape[0] < _AMX_MIN_ROWS or query.dtype != torch.bfloat16 or native_bf16() != "amx_bf16"
+            or query.device.type != "cpu"
+            or out.dtype != torch.bfloat16 or out.stride(-1) != 1 or not _supported(query, key_cache, value_cache)):
+        return False
+    fn = native.function(_AMX_KERNEL, "amx_prefill_attention", _AMX_ARGTYPES, ctypes.c_int)
+    if fn is None:
+        return False
+    q_len, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    table = block_table.to(torch.int32).contiguous()
+    return fn(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), table.data_ptr(), seq_len, q_len,
+              out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size,
+              float(scale), torch.get_num_threads()) == 0
+
+
 def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_len: int, scale: float, out: torch.Tensor) -> None:
     """:func:`_prefill`'s contract (same arguments), written into ``out``, in C when the inputs allow
-    it: one kernel row per query token, each over its causal prefix, all rows reading the sequence's
-    one block table."""
+    it: a bf16 chunk on AMX tiles, else one kernel row per query token, each over its causal prefix,
+    all rows reading the sequence's one block table."""
+    if _amx_prefill(query, key_cache, value_cache, block_table, seq_len, scale, out):
+        return
     fn = _function(query.dtype)
     q_len = query.shape[0]
     if (fn is None or not _supported(query, key_cache, value_cache) or not _vectorized(query.shape[2])

@@ -147,10 +147,12 @@ def test_rows_sharing_a_prefix_come_out_as_each_alone(paged_batch, bf16_cpu, dty
 
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_with_amx_long_bf16_chunks_go_to_sdpa(paged_batch, monkeypatch, dtype):
-    """On a CPU with AMX, SDPA's tile GEMMs beat a row per token past _SDPA_MIN_PAIRS: bf16 chunks
-    that large go there (and still match the reference); short ones, decode rows and fp32 stay in C."""
+def test_with_amx_but_no_tile_kernel_long_bf16_chunks_go_to_sdpa(paged_batch, monkeypatch, dtype):
+    """On a CPU with AMX whose tile kernel cannot run (Linux refused the tile registers, say),
+    SDPA's tile GEMMs beat a row per token past _SDPA_MIN_PAIRS: bf16 chunks that large go there
+    (and still match the reference); short ones, decode rows and fp32 stay in C."""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(cpu, "_amx_prefill", lambda *args: False)
     sdpa_rows = []
     sdpa = cpu._prefill
     monkeypatch.setattr(cpu, "_prefill", lambda *args: sdpa_rows.append(args[0].shape[0]) or sdpa(*args))

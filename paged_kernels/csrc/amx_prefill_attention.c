@@ -1,0 +1,350 @@
+/* Prefill attention for a bf16 paged KV cache on AMX tiles (Intel Sapphire Rapids and later).
+ *
+ * One sequence's chunk of q_len query tokens, the last q_len positions of its seq_len: token i
+ * attends to the first seq_len - q_len + i + 1 positions (its causal prefix), read through the
+ * sequence's block table. A flash-attention loop per (query head, block of 16 tokens):
+ *
+ *   S = Q K^T      16 tokens x 32 keys, two TDPBF16PS per 16 keys and 32 head dims (fp32 sums)
+ *   softmax        online, in fp32 with AVX-512 (row max, e^x, row sum), masked past each token
+ *   O += P V       P rounded to bf16 (as SDPA's CPU kernel does), 16 head dims per tile
+ *
+ * The tiles want K^T and V in pair-interleaved (VNNI) layout: before the loop each KV head's K is
+ * transposed into 16 x 16 tiles of dim pairs and V's rows are interleaved in pairs, once per call
+ * for all query blocks (positions past seq_len are zeros, never attended).
+ *
+ * Built only where the compiler targets AMX-BF16 and AVX-512 BF16 (-march=native on such a CPU);
+ * elsewhere amx_prefill_available() says 0 and the caller keeps its other paths. The process must
+ * be allowed to use the tile registers: the first call asks Linux (arch_prctl) and says 0 if refused.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "avx512_math.h"
+#include "bf16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) \
+    && defined(HAVE_AVX512) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define QB 16 /* query tokens per block (tile rows) */
+#define KB 32 /* keys per block (two S tiles, one P tile's columns) */
+#define MAX_D 128
+/* The score of a masked key and the maximum before any key: finite (the kernels build with
+ * -ffinite-math-only); e^(LOWEST - x) is ~0 and masked weights are set to exactly 0. */
+#define LOWEST (-1e30f)
+#define RESCALE_MARGIN 8.f
+
+/* The tile registers: literals, as GCC's tile intrinsics paste them into the instruction. */
+#define T_Q 0
+#define T_K 2
+#define T_S0 3
+#define T_S1 4
+#define T_P 5
+#define T_V 6
+#define T_O 7
+
+struct tile_config {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0: not asked, 1: granted, -1: refused */
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void configure_tiles(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) { /* every tile: 16 rows of 64 bytes (32 bf16 or 16 fp32) */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline __attribute__((always_inline)) const bf16_t *cache_row(const bf16_t *cache, const int32_t *table,
+                                                                     int64_t pos, int block_size, int64_t s_block,
+                                                                     int64_t s_pos, int64_t offset) {
+    return cache + (int64_t)table[pos / block_size] * s_block + (pos % block_size) * s_pos + offset;
+}
+
+/* r[i] = row i of a 16 x 16 matrix of 32-bit words; on return r[i] = column i. Unpacks pair the
+ * rows' words and double words within 128-bit lanes; two lane shuffles finish the 4 x 4 of lanes. */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + j], lane L: rows 4i..4i+3 of column 4L + j */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+/* K of one KV head as B tiles of S = Q K^T: tile (16 keys, 32 dims) holds, as 32-bit words,
+ * word[p][n] = (K[n][2p], K[n][2p + 1]): a 16 x 16 transpose of the keys' words.
+ * kt + (tile * halves + half) * 256 words. */
+static void pack_k(uint32_t *kt, const bf16_t *cache, const int32_t *table, int seq_len, int num_tiles,
+                   int head_dim, int block_size, int64_t s_block, int64_t s_pos, int64_t offset) {
+    const int halves = head_dim / 32;
+    for (int t = 0; t < num_tiles; t++) {
+        const bf16_t *rows[16];
+        for (int n = 0; n < 16; n++) {
+            const int64_t pos = (int64_t)t * 16 + n;
+            rows[n] = pos < seq_len ? cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
+        }
+        for (int h = 0; h < halves; h++) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + h * 32) : _mm512_setzero_si512();
+            transpose16_epi32(r);
+            uint32_t *dst = kt + ((int64_t)t * halves + h) * 256;
+            for (int w = 0; w < 16; w++)
+                _mm512_store_si512(dst + w * 16, r[w]);
+        }
+    }
+}
+
+/* V of one KV head as B tiles of O = P V: tile (32 keys, 16 dims) holds row p = keys 2p, 2p + 1
+ * interleaved: [V[2p][d0], V[2p+1][d0], V[2p][d0+1], ...]. vv + (block * dtiles + dtile) * 512. */
+static void pack_v(bf16_t *vv, const bf16_t *cache, const int32_t *table, int seq_len, int num_blocks,
+                   int head_dim, int block_size, int64_t s_block, int64_t s_pos, int64_t offset) {
+    const int dtiles = head_dim / 16;
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int b = 0; b < num_blocks; b++) {
+        bf16_t *dst = vv + (int64_t)b * dtiles * 512;
+        for (int p = 0; p < KB / 2; p++) {
+            const int64_t pos = (int64_t)b * KB + 2 * p;
+            for (int d = 0; d < head_dim; d += 32) {
+                __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+                if (pos < seq_len)
+                    r0 = _mm512_loadu_si512(cache_row(cache, table, pos, block_size, s_block, s_pos, offset) + d);
+                if (pos + 1 < seq_len)
+                    r1 = _mm512_loadu_si512(cache_row(cache, table, pos + 1, block_size, s_block, s_pos, offset) + d);
+                /* dims d..d+15 go to tile d/16, d+16..d+31 to the next one */
+                _mm512_storeu_si512(dst + (int64_t)(d / 16) * 512 + p * 32, _mm512_permutex2var_epi16(r0, lo, r1));
+                _mm512_storeu_si512(dst + (int64_t)(d / 16 + 1) * 512 + p * 32, _mm512_permutex2var_epi16(r0, hi, r1));
+            }
+        }
+    }
+}
+
+struct call {
+    const bf16_t *q;
+    int64_t q_tok, q_head;
+    bf16_t *out;
+    int64_t o_tok, o_head;
+    const uint32_t *kt; /* per KV head: k_stride words */
+    const bf16_t *vv;   /* per KV head: v_stride elements */
+    int64_t k_stride, v_stride;
+    int q_len, seq_len, num_heads, group, head_dim;
+    float scale;
+};
+
+/* One query head's block of up to 16 tokens starting at token i0. */
+static void query_block(const struct call *c, int head, int i0) {
+    const int D = c->head_dim, halves = D / 32, dtiles = D / 16;
+    const int kv = head / c->group, rows = c->q_len - i0 < QB ? c->q_len - i0 : QB;
+    const int64_t ctx = c->seq_len - c->q_len;
+    const uint32_t *kt = c->kt + kv * c->k_stride;
+    const bf16_t *vv = c->vv + kv * c->v_stride;
+    bf16_t qpad[QB * MAX_D] __attribute__((aligned(64)));
+    float s[QB * KB] __attribute__((aligned(64)));
+    bf16_t p[QB * KB] __attribute__((aligned(64)));
+    float o[QB * MAX_D] __attribute__((aligned(64)));
+    float tmp[QB * 16] __attribute__((aligned(64)));
+    float m[QB] __attribute__((aligned(64))), alpha[QB] __attribute__((aligned(64)));
+    float lacc[QB * 16] __attribute__((aligned(64)));
+
+    const bf16_t *qbase = c->q + i0 * c->q_tok + head * c->q_head;
+    int64_t qstride = c->q_tok * 2; /* bytes */
+    if (rows < QB) { /* the chunk's last, partial block: zero-padded rows (their results are dropped) */
+        memset(qpad, 0, sizeof qpad);
+        for (int r = 0; r < rows; r++)
+            memcpy(qpad + r * D, qbase + r * c->q_tok, D * sizeof(bf16_t));
+        qbase = qpad;
+        qstride = D * 2;
+    }
+    memset(o, 0, (size_t)QB * D * sizeof(float));
+    memset(lacc, 0, sizeof lacc);
+    for (int r = 0; r < QB; r++)
+        m[r] = LOWEST;
+    /* keys the block's last real token attends: [0, ctx + i0 + rows) */
+    const int64_t num_keys = ctx + i0 + rows;
+    const int num_kblocks = (int)((num_keys + KB - 1) / KB);
+    const __m512 scale = _mm512_set1_ps(c->scale), lowest = _mm512_set1_ps(LOWEST);
+    for (int b = 0; b < num_kblocks; b++) {
+        _tile_zero(T_S0);
+        _tile_zero(T_S1);
+        for (int h = 0; h < halves; h++) {
+            _tile_loadd(T_Q, qbase + h * 32, qstride);
+            _tile_loadd(T_K, kt + ((int64_t)(2 * b) * halves + h) * 256, 64);
+            _tile_dpbf16ps(T_S0, T_Q, T_K);
+            _tile_loadd(T_K, kt + ((int64_t)(2 * b + 1) * halves + h) * 256, 64);
+            _tile_dpbf16ps(T_S1, T_Q, T_K);
+        }
+        _tile_stored(T_S0, s, KB * sizeof(float));
+        _tile_stored(T_S1, s + 16, KB * sizeof(float));
+        /* Online softmax with the row maximum raised only when a score passes it by more than
+         * RESCALE_MARGIN (FlashAttention-4's conditional rescaling): the weights stay below e^8,
+         * and most blocks rescale nothing. Exact: any maximum gives the same quotient. */
+        int rescaled = 0;
+        for (int r = 0; r < QB; r++) {
+            /* keys this row attends in the block: those before ctx + i0 + r + 1 */
+            int64_t visible = ctx + i0 + r + 1 - (int64_t)b * KB;
+            visible = visible < 0 ? 0 : (visible > KB ? KB : visible);
+            const __mmask16 mlo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);
+            const __mmask16 mhi = visible <= 16 ? 0 : (visible >= 32 ? 0xffff : (__mmask16)((1u << (visible - 16)) - 1));
+            const __m512 slo = _mm512_mask_mul_ps(lowest, mlo, _mm512_load_ps(s + r * KB), scale);
+            const __m512 shi = _mm512_mask_mul_ps(lowest, mhi, _mm512_load_ps(s + r * KB + 16), scale);
+            const __m512 smax = _mm512_max_ps(slo, shi);
+            float mx = m[r];
+            if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(mx + RESCALE_MARGIN), _CMP_GT_OQ)) {
+                const float block_max = _mm512_reduce_max_ps(smax);
+                alpha[r] = exp16(_mm512_set1_ps(mx - block_max))[0]; /* ~0 on the first block */
+                mx = m[r] = block_max;
+                rescaled = 1;
+            } else {
+                alpha[r] = 1.f;
+            }
+            const __m512 vmx = _mm512_set1_ps(mx);
+            const __m512 plo = _mm512_maskz_mov_ps(mlo, exp16(_mm512_sub_ps(slo, vmx)));
+            const __m512 phi = _mm512_maskz_mov_ps(mhi, exp16(_mm512_sub_ps(shi, vmx)));
+            const __m512bh pb = _mm512_cvtne2ps_pbh(phi, plo); /* keys 0-15, then 16-31 */
+            _mm512_store_si512(p + r * KB, (__m512i)pb);
+            /* the row's sum, lane-wise until the end */
+            float *acc = lacc + r * 16;
+            _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_load_ps(acc), _mm512_set1_ps(alpha[r]),
+                                                 _mm512_add_ps(plo, phi)));
+        }
+        _tile_loadd(T_P, p, KB * sizeof(bf16_t));
+        for (int t = 0; t < dtiles; t++) {
+            _tile_zero(T_O);
+            _tile_loadd(T_V, vv + ((int64_t)b * dtiles + t) * 512, 64);
+            _tile_dpbf16ps(T_O, T_P, T_V);
+            _tile_stored(T_O, tmp, 16 * sizeof(float));
+            if (rescaled) {
+                for (int r = 0; r < QB; r++) {
+                    float *row = o + r * D + t * 16;
+                    _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), _mm512_set1_ps(alpha[r]),
+                                                         _mm512_load_ps(tmp + r * 16)));
+                }
+            } else {
+                for (int r = 0; r < QB; r++) {
+                    float *row = o + r * D + t * 16;
+                    _mm512_store_ps(row, _mm512_add_ps(_mm512_load_ps(row), _mm512_load_ps(tmp + r * 16)));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(lacc + r * 16)));
+        bf16_t *dst = c->out + (i0 + r) * c->o_tok + head * c->o_head;
+        for (int d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(dst + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + r * D + d), inv)));
+    }
+}
+
+int amx_prefill_available(int head_dim) {
+    return (head_dim == 64 || head_dim == 128) && amx_permitted();
+}
+
+/* Returns 0 when done, -1 when this call is not for it (no AMX permission, head size): the caller
+ * then takes another path. Strides are in elements; the cache is [blocks][block_size][kv heads][D]
+ * by its strides, block_table int32. */
+int amx_prefill_attention(const bf16_t *q, int64_t q_tok, int64_t q_head, const bf16_t *key_cache,
+                          const bf16_t *value_cache, int64_t s_block, int64_t s_pos, int64_t s_head,
+                          const int32_t *block_table, int seq_len, int q_len, bf16_t *out, int64_t o_tok,
+                          int64_t o_head, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                          int num_threads) {
+    if (!amx_prefill_available(head_dim) || q_len < 1 || q_len > seq_len || num_heads % num_kv_heads)
+        return -1;
+    const int num_kblocks = (seq_len + KB - 1) / KB, num_ktiles = num_kblocks * 2;
+    const int64_t k_stride = (int64_t)num_ktiles * (head_dim / 32) * 256; /* words */
+    const int64_t v_stride = (int64_t)num_kblocks * (head_dim / 16) * 512; /* elements */
+    /* the packed K and V: one buffer per calling thread, kept from call to call (a fresh one would
+     * fault its pages in at every layer) and grown to the longest sequence seen */
+    static __thread void *packed = NULL;
+    static __thread size_t capacity = 0;
+    const size_t k_bytes = (size_t)num_kv_heads * k_stride * sizeof(uint32_t);
+    const size_t need = k_bytes + (size_t)num_kv_heads * v_stride * sizeof(bf16_t);
+    if (need > capacity) {
+        free(packed);
+        capacity = 0;
+        packed = aligned_alloc(64, need);
+        if (!packed)
+            return -1;
+        capacity = need;
+    }
+    uint32_t *kt = packed;
+    bf16_t *vv = (bf16_t *)((char *)packed + k_bytes);
+    struct call c = {q, q_tok, q_head, out, o_tok, o_head, kt, vv, k_stride, v_stride,
+                     q_len, seq_len, num_heads, num_heads / num_kv_heads, head_dim, scale};
+    const int num_qblocks = (q_len + QB - 1) / QB;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int h = 0; h < 2 * num_kv_heads; h++) { /* K and V of each KV head */
+            const int kv = h / 2;
+            if (h % 2 == 0)
+                pack_k(kt + kv * k_stride, key_cache, block_table, seq_len, num_ktiles, head_dim, block_size,
+                       s_block, s_pos, kv * s_head);
+            else
+                pack_v(vv + kv * v_stride, value_cache, block_table, seq_len, num_kblocks, head_dim, block_size,
+                       s_block, s_pos, kv * s_head);
+        }
+        configure_tiles();
+#pragma omp for schedule(dynamic, 1)
+        for (int w = 0; w < num_heads * num_qblocks; w++)
+            query_block(&c, w % num_heads, (w / num_heads) * QB);
+        _tile_release();
+    }
+    return 0;
+}
+
+#else
+
+int amx_prefill_available(int head_dim) {
+    (void)head_dim;
+    return 0;
+}
+
+int amx_prefill_attention(const bf16_t *q, int64_t q_tok, int64_t q_head, const bf16_t *key_cache,
+                          const bf16_t *value_cache, int64_t s_block, int64_t s_pos, int64_t s_head,
+                          const int32_t *block_table, int seq_len, int q_len, bf16_t *out, int64_t o_tok,
+                          int64_t o_head, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                          int num_threads) {
+    (void)q, (void)q_tok, (void)q_head, (void)key_cache, (void)value_cache, (void)s_block, (void)s_pos;
+    (void)s_head, (void)block_table, (void)seq_len, (void)q_len, (void)out, (void)o_tok, (void)o_head;
+    (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)num_threads;
+    return -1;
+}
+
+#endif
