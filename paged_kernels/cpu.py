@@ -67,7 +67,7 @@ _ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "p
 
 _P, _I64, _I32 = native.PTR, native.I64, native.INT
 _DECODE_ARGTYPES = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64,
-                    _I32, _I32, _I32, _I32, _I32, native.FLOAT, _I32]
+                    _I32, _I32, _I32, _I32, _I32, native.FLOAT, _I32, _I32]
 _WRITE_ARGTYPES = [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I32, _I32, _I32, _I32,
                    _I32]
 
@@ -115,13 +115,19 @@ def _native_decode(
         _decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
         return
     tables = block_tables.to(torch.int32).contiguous()
-    _run(fn, query, key_cache, value_cache, tables, tables.stride(0), seq_lens.to(torch.int32).contiguous(), scale, out)
+    # bf16 rows sharing a cached prefix attend it on AMX tiles together (within bf16 rounding of each
+    # alone); bf16 results already vary with the batch's GEMM shapes, fp32 ones stay bit-exact.
+    tiles = query.dtype == torch.bfloat16 and native_bf16() == "amx_bf16"
+    _run(fn, query, key_cache, value_cache, tables, tables.stride(0), seq_lens.to(torch.int32).contiguous(), scale, out,
+         tiles=tiles)
 
 
 def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-         tables: torch.Tensor, table_stride: int, lengths: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+         tables: torch.Tensor, table_stride: int, lengths: torch.Tensor, scale: float, out: torch.Tensor, *,
+         tiles: bool = False) -> None:
     """One call of the C kernel: row i of ``query`` attends to the first ``lengths[i]`` positions of
-    the block table at ``tables`` + i * ``table_stride`` (int32, ``lengths`` too); writes ``out``."""
+    the block table at ``tables`` + i * ``table_stride`` (int32, ``lengths`` too); writes ``out``.
+    ``tiles``: bf16 rows that share a cached prefix run it on AMX tiles where the CPU allows."""
     target = out if out.dtype == query.dtype and out.stride(-1) == 1 else torch.empty_like(query)
     num_rows, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -130,7 +136,7 @@ def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, val
        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
        tables.data_ptr(), table_stride, lengths.data_ptr(),
        target.data_ptr(), target.stride(0), target.stride(1),
-       num_rows, num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
+       num_rows, num_heads, num_kv_heads, head_dim, block_size, float(scale), torch.get_num_threads(), int(tiles))
     if target is not out:
         out.copy_(target)
 

@@ -21,16 +21,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "avx512_math.h"
-#include "bf16.h"
+#include "amx_tiles.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) \
-    && defined(HAVE_AVX512) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#ifdef HAVE_AMX_TILES
 #define QB 16 /* query tokens per block (tile rows) */
 #define KB 32 /* keys per block (two S tiles, one P tile's columns) */
 #define MAX_D 128
@@ -39,119 +32,37 @@
 #define LOWEST (-1e30f)
 #define RESCALE_MARGIN 8.f
 
-/* The tile registers: literals, as GCC's tile intrinsics paste them into the instruction. */
-#define T_Q 0
-#define T_K 2
-#define T_S0 3
-#define T_S1 4
-#define T_P 5
-#define T_V 6
-#define T_O 7
-
-struct tile_config {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static int amx_permitted(void) {
-    static int state = 0; /* 0: not asked, 1: granted, -1: refused */
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-static void configure_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) { /* every tile: 16 rows of 64 bytes (32 bf16 or 16 fp32) */
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 static inline __attribute__((always_inline)) const bf16_t *cache_row(const bf16_t *cache, const int32_t *table,
                                                                      int64_t pos, int block_size, int64_t s_block,
                                                                      int64_t s_pos, int64_t offset) {
     return cache + (int64_t)table[pos / block_size] * s_block + (pos % block_size) * s_pos + offset;
 }
 
-/* r[i] = row i of a 16 x 16 matrix of 32-bit words; on return r[i] = column i. Unpacks pair the
- * rows' words and double words within 128-bit lanes; two lane shuffles finish the 4 x 4 of lanes. */
-static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* u[4i + j], lane L: rows 4i..4i+3 of column 4L + j */
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
-        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-}
-
-/* K of one KV head as B tiles of S = Q K^T: tile (16 keys, 32 dims) holds, as 32-bit words,
- * word[p][n] = (K[n][2p], K[n][2p + 1]): a 16 x 16 transpose of the keys' words.
- * kt + (tile * halves + half) * 256 words. */
+/* K of one KV head as B tiles of S = Q K^T (amx_tiles.h): tile (16 keys, 32 dims) at
+ * kt + (tile * halves + half) * 256 words; positions past seq_len are zeros. */
 static void pack_k(uint32_t *kt, const bf16_t *cache, const int32_t *table, int seq_len, int num_tiles,
                    int head_dim, int block_size, int64_t s_block, int64_t s_pos, int64_t offset) {
-    const int halves = head_dim / 32;
     for (int t = 0; t < num_tiles; t++) {
         const bf16_t *rows[16];
         for (int n = 0; n < 16; n++) {
             const int64_t pos = (int64_t)t * 16 + n;
             rows[n] = pos < seq_len ? cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
         }
-        for (int h = 0; h < halves; h++) {
-            __m512i r[16];
-            for (int n = 0; n < 16; n++)
-                r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + h * 32) : _mm512_setzero_si512();
-            transpose16_epi32(r);
-            uint32_t *dst = kt + ((int64_t)t * halves + h) * 256;
-            for (int w = 0; w < 16; w++)
-                _mm512_store_si512(dst + w * 16, r[w]);
-        }
+        amx_pack_k16(kt + (int64_t)t * (head_dim / 32) * 256, rows, head_dim);
     }
 }
 
-/* V of one KV head as B tiles of O = P V: tile (32 keys, 16 dims) holds row p = keys 2p, 2p + 1
- * interleaved: [V[2p][d0], V[2p+1][d0], V[2p][d0+1], ...]. vv + (block * dtiles + dtile) * 512. */
+/* V of one KV head as B tiles of O = P V (amx_tiles.h): block of 32 keys, 16 dims at
+ * vv + (block * dtiles + dtile) * 512; positions past seq_len are zeros. */
 static void pack_v(bf16_t *vv, const bf16_t *cache, const int32_t *table, int seq_len, int num_blocks,
                    int head_dim, int block_size, int64_t s_block, int64_t s_pos, int64_t offset) {
-    const int dtiles = head_dim / 16;
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int b = 0; b < num_blocks; b++) {
-        bf16_t *dst = vv + (int64_t)b * dtiles * 512;
-        for (int p = 0; p < KB / 2; p++) {
-            const int64_t pos = (int64_t)b * KB + 2 * p;
-            for (int d = 0; d < head_dim; d += 32) {
-                __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-                if (pos < seq_len)
-                    r0 = _mm512_loadu_si512(cache_row(cache, table, pos, block_size, s_block, s_pos, offset) + d);
-                if (pos + 1 < seq_len)
-                    r1 = _mm512_loadu_si512(cache_row(cache, table, pos + 1, block_size, s_block, s_pos, offset) + d);
-                /* dims d..d+15 go to tile d/16, d+16..d+31 to the next one */
-                _mm512_storeu_si512(dst + (int64_t)(d / 16) * 512 + p * 32, _mm512_permutex2var_epi16(r0, lo, r1));
-                _mm512_storeu_si512(dst + (int64_t)(d / 16 + 1) * 512 + p * 32, _mm512_permutex2var_epi16(r0, hi, r1));
-            }
+        const bf16_t *rows[KB];
+        for (int k = 0; k < KB; k++) {
+            const int64_t pos = (int64_t)b * KB + k;
+            rows[k] = pos < seq_len ? cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
         }
+        amx_pack_v32(vv + (int64_t)b * (head_dim / 16) * 512, rows, head_dim);
     }
 }
 
@@ -320,7 +231,7 @@ int amx_prefill_attention(const bf16_t *q, int64_t q_tok, int64_t q_head, const 
                 pack_v(vv + kv * v_stride, value_cache, block_table, seq_len, num_kblocks, head_dim, block_size,
                        s_block, s_pos, kv * s_head);
         }
-        configure_tiles();
+        amx_configure_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (int w = 0; w < num_heads * num_qblocks; w++)
             query_block(&c, w % num_heads, (w / num_heads) * QB);

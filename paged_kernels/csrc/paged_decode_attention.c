@@ -23,6 +23,11 @@
  * at a time, softmax by a vector exp, the next block prefetched).
  * Each (head size, dtype) gets its own OpenMP loop, so the head size is a compile-time constant
  * inside it.
+ *
+ * With AMX tiles (bf16, `tiles` set by the caller), the chunks of a cached prefix that all sequences
+ * of an item share are scored and summed for all their rows at once as tile products
+ * (shared_chunk_amx); a row's result is then within bf16 rounding of its result alone, no longer
+ * bit for bit (the weights are rounded to bf16 for P V).
  */
 #include <float.h>
 #include <math.h>
@@ -50,6 +55,7 @@ struct args {
     int64_t o_stride_tok, o_stride_head;
     int num_kv_heads, group, block_size;
     float scale;
+    int tiles;  /* bf16: run the chunks an item's sequences share on AMX tiles (amx_tiles.h) */
 };
 
 /* The item's output rows: each query head's accumulator over its softmax denominator, in the entry
@@ -115,6 +121,7 @@ static inline __attribute__((always_inline)) void item_scalar(const struct args 
 }
 
 #include "avx512_math.h"
+#include "amx_tiles.h"
 #ifdef HAVE_AVX512
 
 /* 16 values of a row of fp32 or bf16 (widened: a bf16 is the top half of an fp32). */
@@ -352,6 +359,131 @@ static inline __attribute__((always_inline)) void seq_chunk(const struct args *a
     }
 }
 
+#ifdef HAVE_AMX_TILES
+/* Work items of at least this many query rows (sequences x group) run their shared chunks on tiles. */
+#define TILED_MIN_ROWS 8
+
+/* Tokens [0, n) that are the same cached blocks for every sequence of the item (prefix caching
+ * handed them the same blocks), within every sequence's length. */
+static int shared_prefix(const struct args *a, const int *seqs, int n) {
+    const int32_t *first = a->block_tables + (int64_t)seqs[0] * a->bt_stride;
+    int shortest = a->seq_lens[seqs[0]];
+    for (int i = 1; i < n; i++)
+        shortest = a->seq_lens[seqs[i]] < shortest ? a->seq_lens[seqs[i]] : shortest;
+    int b = 0;
+    for (; (int64_t)b * a->block_size < shortest; b++) {
+        int same = 1;
+        for (int i = 1; i < n && same; i++)
+            same = a->block_tables[(int64_t)seqs[i] * a->bt_stride + b] == first[b];
+        if (!same)
+            break;
+    }
+    return b * a->block_size < shortest ? b * a->block_size : shortest;
+}
+
+/* seq_chunk for every sequence of the item at once, for a chunk inside the prefix they share: the
+ * item's query rows (sequence-major, `group` rows each) 16 at a time on AMX tiles, S = Q K^T and
+ * O = P V as tile products over the chunk's K and V, packed once for all rows. The online softmax
+ * is seq_chunk's (fp32, per row, one maximum per chunk), on the same states; only the weights are
+ * rounded to bf16 for P V (as SDPA's CPU kernel does), so a row's result is within bf16 rounding of
+ * what it gets alone, not bit for bit. */
+static void shared_chunk_amx(const struct args *a, const int *seqs, int n, int h, struct seq_state *st, int chunk,
+                             const int HD) {
+    const int G = a->group, R = n * G, halves = HD / 32, dtiles = HD / 16;
+    const int32_t *table = a->block_tables + (int64_t)seqs[0] * a->bt_stride;
+    const int64_t head = (int64_t)h * a->c_stride_head;
+    uint32_t kt[(CHUNK / 16) * 4 * 256] __attribute__((aligned(64)));  /* head size <= 128 */
+    bf16_t vv[(CHUNK / 32) * 8 * 512] __attribute__((aligned(64)));
+    bf16_t q[16 * 128] __attribute__((aligned(64)));
+    float s[16 * CHUNK] __attribute__((aligned(64)));
+    bf16_t p[16 * CHUNK] __attribute__((aligned(64)));
+    float tmp[16 * 16] __attribute__((aligned(64)));
+    const bf16_t *rows[32];
+    for (int b = 0; b < CHUNK / 32; b++) {
+        for (int c = 0; c < 2; c++) {  /* 0: K, 1: V */
+            const bf16_t *cache = (const bf16_t *)(c ? a->value_cache : a->key_cache);
+            for (int k = 0; k < 32; k++) {
+                const int pos = chunk + 32 * b + k;
+                rows[k] = cache + (int64_t)table[pos / a->block_size] * a->c_stride_block + head
+                          + (int64_t)(pos % a->block_size) * a->c_stride_tok;
+            }
+            if (c) {
+                amx_pack_v32(vv + (int64_t)b * dtiles * 512, rows, HD);
+            } else {
+                amx_pack_k16(kt + (int64_t)(2 * b) * halves * 256, rows, HD);
+                amx_pack_k16(kt + (int64_t)(2 * b + 1) * halves * 256, rows + 16, HD);
+            }
+        }
+    }
+    amx_configure_tiles();
+    const __m512 scale = _mm512_set1_ps(a->scale), lowest = _mm512_set1_ps(-FLT_MAX);
+    for (int r0 = 0; r0 < R; r0 += 16) {
+        const int nrows = R - r0 < 16 ? R - r0 : 16;
+        for (int r = 0; r < 16; r++) {
+            if (r < nrows)
+                memcpy(q + r * HD, st[(r0 + r) / G].qb[(r0 + r) % G], HD * sizeof(bf16_t));
+            else
+                memset(q + r * HD, 0, HD * sizeof(bf16_t));
+        }
+        for (int b = 0; b < CHUNK / 32; b++) {
+            _tile_zero(T_S0);
+            _tile_zero(T_S1);
+            for (int hf = 0; hf < halves; hf++) {
+                _tile_loadd(T_Q, q + hf * 32, HD * sizeof(bf16_t));
+                _tile_loadd(T_K, kt + ((int64_t)(2 * b) * halves + hf) * 256, 64);
+                _tile_dpbf16ps(T_S0, T_Q, T_K);
+                _tile_loadd(T_K, kt + ((int64_t)(2 * b + 1) * halves + hf) * 256, 64);
+                _tile_dpbf16ps(T_S1, T_Q, T_K);
+            }
+            _tile_stored(T_S0, s + b * 32, CHUNK * sizeof(float));
+            _tile_stored(T_S1, s + b * 32 + 16, CHUNK * sizeof(float));
+        }
+        for (int r = 0; r < 16; r++) {
+            if (r >= nrows) {  /* rows past the item's: weights 0 (their products are dropped anyway) */
+                memset(p + r * CHUNK, 0, CHUNK * sizeof(bf16_t));
+                continue;
+            }
+            struct seq_state *sr = &st[(r0 + r) / G];
+            const int g = (r0 + r) % G;
+            __m512 v[CHUNK / 16], top = lowest;
+            for (int j = 0; j < CHUNK / 16; j++) {
+                v[j] = _mm512_mul_ps(_mm512_load_ps(s + r * CHUNK + 16 * j), scale);
+                top = _mm512_max_ps(top, v[j]);
+            }
+            const float chunk_max = _mm512_reduce_max_ps(top);
+            const float new_max = chunk_max > sr->running_max[g] ? chunk_max : sr->running_max[g];
+            const __m512 shift = _mm512_set1_ps(new_max);
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < CHUNK / 16; j += 2) {
+                const __m512 e0 = exp16(_mm512_sub_ps(v[j], shift)), e1 = exp16(_mm512_sub_ps(v[j + 1], shift));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+                _mm512_store_si512(p + r * CHUNK + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+            const float rescale = expf(sr->running_max[g] - new_max);
+            sr->denom[g] = sr->denom[g] * rescale + _mm512_reduce_add_ps(sum);
+            sr->running_max[g] = new_max;
+            for (int j = 0; j < HD / 16; j++)
+                _mm512_store_ps(&sr->acc[g][16 * j], _mm512_mul_ps(_mm512_load_ps(&sr->acc[g][16 * j]),
+                                                                   _mm512_set1_ps(rescale)));
+        }
+        for (int t = 0; t < dtiles; t++) {
+            _tile_zero(T_O);
+            for (int b = 0; b < CHUNK / 32; b++) {
+                _tile_loadd(T_P, p + b * 32, CHUNK * sizeof(bf16_t));
+                _tile_loadd(T_V, vv + ((int64_t)b * dtiles + t) * 512, 64);
+                _tile_dpbf16ps(T_O, T_P, T_V);
+            }
+            _tile_stored(T_O, tmp, 16 * sizeof(float));
+            for (int r = 0; r < nrows; r++) {
+                float *acc = &st[(r0 + r) / G].acc[(r0 + r) % G][16 * t];
+                _mm512_store_ps(acc, _mm512_add_ps(_mm512_load_ps(acc), _mm512_load_ps(tmp + r * 16)));
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* Per-thread states for a group's sequences (grown on demand, kept for the thread's life). */
 static __thread struct seq_state *thread_states;
 static __thread int thread_states_len;
@@ -387,9 +519,21 @@ static inline __attribute__((always_inline)) void group_avx512(const struct args
         seq_begin(a, seqs[i], h, &st[i], HD, BF16);
         longest = a->seq_lens[seqs[i]] > longest ? a->seq_lens[seqs[i]] : longest;
     }
-    for (int chunk = 0; chunk < longest; chunk += CHUNK)
+    int tiled_until = 0;  /* chunks before it are shared by every sequence and run on tiles */
+#ifdef HAVE_AMX_TILES
+    if (BF16 && a->tiles && n * a->group >= TILED_MIN_ROWS && HD <= 128)
+        tiled_until = shared_prefix(a, seqs, n) / CHUNK * CHUNK;
+#endif
+    for (int chunk = 0; chunk < longest; chunk += CHUNK) {
+#ifdef HAVE_AMX_TILES
+        if (chunk + CHUNK <= tiled_until) {
+            shared_chunk_amx(a, seqs, n, h, st, chunk, HD);
+            continue;
+        }
+#endif
         for (int i = 0; i < n; i++)
             if (chunk < a->seq_lens[seqs[i]]) seq_chunk(a, seqs[i], h, &st[i], chunk, HD, BF16);
+    }
     for (int i = 0; i < n; i++) store_rows(a, seqs[i], h, st[i].acc, st[i].denom, HD, BF16);
 }
 #define GROUP_FAST group_avx512
@@ -471,7 +615,15 @@ static int make_groups(const int32_t *block_tables, int64_t bt_stride, const int
 /* The exported entry points: `_f32` takes fp32 query, caches and output; `_bf16` bf16 ones (raw bf16
  * bits as uint16), with fp32 arithmetic inside. Limits (checked by the caller, paged_kernels/cpu.py):
  * num_heads % num_kv_heads == 0, group <= 16, head_dim <= 256, block_size <= 128, every
- * seq_len >= 1. Strides are in elements. */
+ * seq_len >= 1. Strides are in elements.
+ * `tiles` (bf16 only): the chunks that all sequences of a work item share (a cached prompt prefix)
+ * run on AMX tiles for all of them at once (shared_chunk_amx) where the build and Linux allow; 0
+ * keeps every row's arithmetic exactly what it is alone. */
+#ifdef HAVE_AMX_TILES
+#define TILES_ALLOWED(tiles) ((tiles) && amx_permitted())
+#else
+#define TILES_ALLOWED(tiles) 0
+#endif
 #define ENTRY_POINT(NAME, T, SUFFIX) \
 void NAME( \
     const T *query, int64_t q_stride_tok, int64_t q_stride_head, \
@@ -480,13 +632,13 @@ void NAME( \
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, \
     T *out, int64_t o_stride_tok, int64_t o_stride_head, \
     int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, \
-    int num_threads) \
+    int num_threads, int tiles) \
 { \
     const struct args a = { \
         (const char *)query, (const char *)key_cache, (const char *)value_cache, \
         q_stride_tok, q_stride_head, c_stride_block, c_stride_tok, c_stride_head, bt_stride, \
         block_tables, seq_lens, (char *)out, o_stride_tok, o_stride_head, \
-        num_kv_heads, num_heads / num_kv_heads, block_size, scale}; \
+        num_kv_heads, num_heads / num_kv_heads, block_size, scale, TILES_ALLOWED(tiles)}; \
     int stack_order[256], stack_starts[257]; \
     int *order = num_seqs <= 256 ? stack_order : malloc((size_t)num_seqs * sizeof(int)); \
     int *starts = num_seqs <= 256 ? stack_starts : malloc((size_t)(num_seqs + 1) * sizeof(int)); \

@@ -80,3 +80,47 @@ def test_bf16_chunks_of_8_rows_or_more_take_the_tiles(paged_batch, monkeypatch, 
     assert tile_rows == ([100, 8] if on_tiles else [])
     tolerance = TOLERANCE if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **tolerance)
+
+
+def shared_prefix_decode(paged_batch, *, num_seqs: int, prefix_blocks: int, head_dim: int = 64, gqa: int = 3,
+                         dtype: torch.dtype = torch.bfloat16):
+    """Decode rows of ``num_seqs`` sequences whose first ``prefix_blocks`` blocks (16 tokens each)
+    are the same cached blocks, each with a tail of its own, beside two rows sharing nothing."""
+    lens = [prefix_blocks * 16 + 1 + (7 * s) % 90 for s in range(num_seqs)]
+    batch = paged_batch(q_lens=[1] * (num_seqs + 2), seq_lens=[*lens, 77, 300], num_heads=3 * gqa, num_kv_heads=3,
+                        head_dim=head_dim, block_size=16, head_major=True, dtype=dtype, num_blocks=4096)
+    batch.block_tables[1:num_seqs, :prefix_blocks] = batch.block_tables[0, :prefix_blocks]
+    return batch
+
+
+@needs_amx
+@pytest.mark.parametrize("num_seqs", [3, 16, 21])  # 21: more than one work item of 16
+@pytest.mark.parametrize("prefix_blocks", [8, 19, 64])  # one chunk of 128, a chunk and a part, eight chunks
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3])
+def test_decode_rows_sharing_a_prefix_on_tiles_match_the_reference(paged_batch, num_seqs, prefix_blocks, head_dim,
+                                                                   gqa):
+    """The chunks a work item's sequences share run on tiles for all its rows at once (bf16 on AMX);
+    each row stays within bf16 rounding of the reference."""
+    batch = shared_prefix_decode(paged_batch, num_seqs=num_seqs, prefix_blocks=prefix_blocks, head_dim=head_dim,
+                                 gqa=gqa)
+    out = cpu.cpu_paged_attention(*batch.args())
+    torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE)
+
+
+@needs_amx
+def test_shared_prefix_tiles_are_used_for_bf16_only(paged_batch, monkeypatch):
+    """bf16 rows of a large enough group take the tiles (their results move by bf16 rounding from
+    the rows' results alone); fp32 rows never do, and stay bit for bit what they are alone."""
+    batch = shared_prefix_decode(paged_batch, num_seqs=16, prefix_blocks=16)
+    on_tiles = cpu.cpu_paged_attention(*batch.args())
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))  # no AMX: no tiles
+    without = cpu.cpu_paged_attention(*batch.args())
+    assert not torch.equal(on_tiles[:16], without[:16])
+    assert torch.equal(on_tiles[16:], without[16:])  # the rows sharing nothing
+    monkeypatch.undo()
+    fp32 = shared_prefix_decode(paged_batch, num_seqs=16, prefix_blocks=16, dtype=torch.float32)
+    together = cpu.cpu_paged_attention(*fp32.args())
+    alone = cpu.cpu_paged_attention(fp32.query[3:4], fp32.key_cache, fp32.value_cache, fp32.block_tables[3:4],
+                                    torch.tensor([0, 1], dtype=torch.int32), fp32.seq_lens[3:4], fp32.scale)
+    assert torch.equal(alone[0], together[3])

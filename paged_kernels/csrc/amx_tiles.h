@@ -1,0 +1,125 @@
+/* AMX tile helpers shared by the CPU kernels of this folder (included, not built on its own).
+ *
+ * HAVE_AMX_TILES is defined, and the helpers exist, only where the compiler targets AMX-BF16 with
+ * AVX-512 BF16 and BW (-march=native on Intel Sapphire Rapids and later) on Linux. A process must
+ * be allowed to use the tile registers: amx_permitted() asks Linux once (arch_prctl) and says
+ * whether it may. Every kernel using tiles keeps another path for when it may not.
+ *
+ * The layouts the tile products want (TDPBF16PS: C[16 x 16 fp32] += A[16 x 32 bf16] B[32 x 16
+ * bf16], B with pairs of its rows interleaved, "VNNI"):
+ *   - K for S = Q K^T: per 16 keys and 32 head dims, word[p][n] = (K[n][2p], K[n][2p + 1]), a 16 x 16
+ *     transpose of the keys' 32-bit words (amx_pack_k16);
+ *   - V for O = P V: per 32 keys and 16 head dims, row p = keys 2p and 2p + 1 interleaved
+ *     (amx_pack_v32).
+ */
+#ifndef PAGEDSERVE_AMX_TILES_H
+#define PAGEDSERVE_AMX_TILES_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "avx512_math.h"
+#include "bf16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) \
+    && defined(HAVE_AVX512) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX_TILES 1
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* The tile registers: literals, as GCC's tile intrinsics paste them into the instruction. */
+#define T_Q 0
+#define T_K 2
+#define T_S0 3
+#define T_S1 4
+#define T_P 5
+#define T_V 6
+#define T_O 7
+
+struct amx_tile_config {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static int amx_permitted(void) {
+    static int state = 0; /* 0: not asked, 1: granted, -1: refused */
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Every tile 16 rows of 64 bytes (32 bf16 or 16 fp32); per thread, before its first tile instruction. */
+static inline void amx_configure_tiles(void) {
+    struct amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* r[i] = row i of a 16 x 16 matrix of 32-bit words; on return r[i] = column i. Unpacks pair the
+ * rows' words and double words within 128-bit lanes; two lane shuffles finish the 4 x 4 of lanes. */
+static inline __attribute__((always_inline)) void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + j], lane L: rows 4i..4i+3 of column 4L + j */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
+}
+
+/* The B tiles of S = Q K^T for 16 keys (rows[n]: key n's head_dim values, NULL for zeros):
+ * head_dim / 32 tiles of 256 words at kt (64-byte aligned), tile h for dims 32h..32h+31. */
+static inline void amx_pack_k16(uint32_t *kt, const bf16_t *const rows[16], int head_dim) {
+    for (int h = 0; h < head_dim / 32; h++) {
+        __m512i r[16];
+        for (int n = 0; n < 16; n++)
+            r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + h * 32) : _mm512_setzero_si512();
+        transpose16_epi32(r);
+        for (int w = 0; w < 16; w++)
+            _mm512_store_si512(kt + h * 256 + w * 16, r[w]);
+    }
+}
+
+/* The B tiles of O = P V for 32 keys (rows[k]: key k's head_dim values, NULL for zeros):
+ * head_dim / 16 tiles of 512 elements at vv (64-byte aligned), tile t for dims 16t..16t+15. */
+static inline void amx_pack_v32(bf16_t *vv, const bf16_t *const rows[32], int head_dim) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int p = 0; p < 16; p++) {
+        for (int d = 0; d < head_dim; d += 32) {
+            const __m512i r0 = rows[2 * p] ? _mm512_loadu_si512(rows[2 * p] + d) : _mm512_setzero_si512();
+            const __m512i r1 = rows[2 * p + 1] ? _mm512_loadu_si512(rows[2 * p + 1] + d) : _mm512_setzero_si512();
+            /* dims d..d+15 go to tile d/16, d+16..d+31 to the next one */
+            _mm512_store_si512(vv + (d / 16) * 512 + p * 32, _mm512_permutex2var_epi16(r0, lo, r1));
+            _mm512_store_si512(vv + (d / 16 + 1) * 512 + p * 32, _mm512_permutex2var_epi16(r0, hi, r1));
+        }
+    }
+}
+
+#endif
+#endif
