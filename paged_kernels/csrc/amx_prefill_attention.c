@@ -104,8 +104,11 @@ static void query_block(const struct call *c, int head, int i0) {
     }
     memset(o, 0, (size_t)QB * D * sizeof(float));
     memset(lacc, 0, sizeof lacc);
-    for (int r = 0; r < QB; r++)
+    float threshold[QB]; /* a row's maximum is raised when an unscaled score passes this */
+    for (int r = 0; r < QB; r++) {
         m[r] = LOWEST;
+        threshold[r] = LOWEST;
+    }
     /* keys the block's last real token attends: [0, ctx + i0 + rows) */
     const int64_t num_keys = ctx + i0 + rows;
     const int num_kblocks = (int)((num_keys + KB - 1) / KB);
@@ -124,35 +127,45 @@ static void query_block(const struct call *c, int head, int i0) {
         _tile_stored(T_S1, s + 16, KB * sizeof(float));
         /* Online softmax with the row maximum raised only when a score passes it by more than
          * RESCALE_MARGIN (FlashAttention-4's conditional rescaling): the weights stay below e^8,
-         * and most blocks rescale nothing. Exact: any maximum gives the same quotient. */
+         * and most blocks rescale nothing. Exact: any maximum gives the same quotient. Scores
+         * stay unscaled until the exponent (fused: s * scale - m); masks only on the blocks the
+         * causal diagonal crosses. */
+        const int whole = (int64_t)(b + 1) * KB <= ctx + i0 + 1; /* every row sees all 32 keys */
         int rescaled = 0;
         for (int r = 0; r < QB; r++) {
-            /* keys this row attends in the block: those before ctx + i0 + r + 1 */
-            int64_t visible = ctx + i0 + r + 1 - (int64_t)b * KB;
-            visible = visible < 0 ? 0 : (visible > KB ? KB : visible);
-            const __mmask16 mlo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);
-            const __mmask16 mhi = visible <= 16 ? 0 : (visible >= 32 ? 0xffff : (__mmask16)((1u << (visible - 16)) - 1));
-            const __m512 slo = _mm512_mask_mul_ps(lowest, mlo, _mm512_load_ps(s + r * KB), scale);
-            const __m512 shi = _mm512_mask_mul_ps(lowest, mhi, _mm512_load_ps(s + r * KB + 16), scale);
-            const __m512 smax = _mm512_max_ps(slo, shi);
-            float mx = m[r];
-            if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(mx + RESCALE_MARGIN), _CMP_GT_OQ)) {
-                const float block_max = _mm512_reduce_max_ps(smax);
-                alpha[r] = exp16(_mm512_set1_ps(mx - block_max))[0]; /* ~0 on the first block */
-                mx = m[r] = block_max;
-                rescaled = 1;
-            } else {
-                alpha[r] = 1.f;
+            __m512 slo = _mm512_load_ps(s + r * KB), shi = _mm512_load_ps(s + r * KB + 16);
+            __mmask16 mlo = 0xffff, mhi = 0xffff;
+            if (!whole) { /* keys this row attends in the block: those before ctx + i0 + r + 1 */
+                int64_t visible = ctx + i0 + r + 1 - (int64_t)b * KB;
+                visible = visible < 0 ? 0 : (visible > KB ? KB : visible);
+                mlo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);
+                mhi = visible <= 16 ? 0 : (visible >= 32 ? 0xffff : (__mmask16)((1u << (visible - 16)) - 1));
+                slo = _mm512_mask_mov_ps(lowest, mlo, slo);
+                shi = _mm512_mask_mov_ps(lowest, mhi, shi);
             }
-            const __m512 vmx = _mm512_set1_ps(mx);
-            const __m512 plo = _mm512_maskz_mov_ps(mlo, exp16(_mm512_sub_ps(slo, vmx)));
-            const __m512 phi = _mm512_maskz_mov_ps(mhi, exp16(_mm512_sub_ps(shi, vmx)));
-            const __m512bh pb = _mm512_cvtne2ps_pbh(phi, plo); /* keys 0-15, then 16-31 */
-            _mm512_store_si512(p + r * KB, (__m512i)pb);
+            const __m512 smax = _mm512_max_ps(slo, shi);
+            float a = 1.f;
+            if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(threshold[r]), _CMP_GT_OQ)) {
+                const float block_max = _mm512_reduce_max_ps(smax) * c->scale;
+                a = exp16(_mm512_set1_ps(m[r] - block_max))[0]; /* ~0 on the first block */
+                m[r] = block_max;
+                threshold[r] = (block_max + RESCALE_MARGIN) / c->scale;
+                rescaled = 1;
+            }
+            alpha[r] = a;
+            const __m512 vm = _mm512_set1_ps(m[r]);
+            __m512 plo = exp16_bf16(_mm512_fmsub_ps(slo, scale, vm));
+            __m512 phi = exp16_bf16(_mm512_fmsub_ps(shi, scale, vm));
+            if (!whole) {
+                plo = _mm512_maskz_mov_ps(mlo, plo);
+                phi = _mm512_maskz_mov_ps(mhi, phi);
+            }
+            _mm512_store_si512(p + r * KB, (__m512i)_mm512_cvtne2ps_pbh(phi, plo)); /* keys 0-15, 16-31 */
             /* the row's sum, lane-wise until the end */
             float *acc = lacc + r * 16;
-            _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_load_ps(acc), _mm512_set1_ps(alpha[r]),
-                                                 _mm512_add_ps(plo, phi)));
+            const __m512 sum = _mm512_add_ps(plo, phi);
+            _mm512_store_ps(acc, a == 1.f ? _mm512_add_ps(_mm512_load_ps(acc), sum)
+                                          : _mm512_fmadd_ps(_mm512_load_ps(acc), _mm512_set1_ps(a), sum));
         }
         _tile_loadd(T_P, p, KB * sizeof(bf16_t));
         for (int t = 0; t < dtiles; t++) {
