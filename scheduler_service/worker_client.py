@@ -99,7 +99,10 @@ class WorkerClient:
         expected = self._in_flight.popleft()
         if reply.step_id != expected:
             raise WorkerLostError(f"worker {self.address}: answer for step {reply.step_id}, expected {expected}")
-        return step.runner_output_from_pb(reply)
+        try:
+            return step.runner_output_from_pb(reply)
+        except ValueError as exc:  # columns that do not add up: not ours to trust, nor a scheduler bug
+            raise WorkerLostError(f"worker {self.address}: malformed answer to step {reply.step_id}: {exc}") from exc
 
     def _current_call(self):
         if self._call is None:

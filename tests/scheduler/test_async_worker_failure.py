@@ -147,3 +147,25 @@ async def test_a_step_sent_ahead_starts_when_the_one_before_ends_not_when_the_ev
         servicer.stopping = True
         await server.drain(0.5)
         servicer.close()
+
+
+async def test_an_answer_whose_columns_do_not_add_up_is_a_lost_worker(monkeypatch):
+    """A worker answering with more sampled tokens than requests (a broken or mismatched build) is
+    lost, so its requests go elsewhere; the scheduler does not fail them as its own bug."""
+    from scheduler_service.worker_client import WorkerLostError
+    from servicekit.proto import step
+
+    to_pb = step.runner_output_to_pb
+
+    def corrupted(output, step_id, execute_seconds):
+        msg = to_pb(output, step_id, execute_seconds)
+        msg.sampled.token_ids.append(7)
+        return msg
+
+    monkeypatch.setattr(step, "runner_output_to_pb", corrupted)
+    async with failing_worker(0) as (client, description):
+        core = Scheduler(SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64), description)
+        core.add_request(make_request("a", max_tokens=4))
+        await client.send(core.schedule())
+        with pytest.raises(WorkerLostError, match="malformed answer to step .*: a step.s answer names .* requests"):
+            await client.receive()
