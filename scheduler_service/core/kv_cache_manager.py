@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from scheduler_service.core.block_pool import BlockPool
 from scheduler_service.core.kv_cache_utils import KVCacheBlock
 from scheduler_service.core.request import Request
+from servicekit.contract.step import NO_BLOCK_IDS
 
 
 _NO_BLOCKS: list[KVCacheBlock] = []  # returned, never changed: no block was needed
-_NO_BLOCK_IDS: list[int] = []  # the same, as block ids
 
 
 class KVCacheManager:
@@ -141,7 +141,7 @@ class KVCacheManager:
                 continue
             if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
                 self.cache_blocks(request, num_required_tokens)
-            add(_NO_BLOCK_IDS)
+            add(NO_BLOCK_IDS)
         return new_block_ids
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

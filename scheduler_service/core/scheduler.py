@@ -20,6 +20,7 @@ from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
 from servicekit.contract.scheduling import MIN_PREFILL_CHUNK_TOKENS, SchedulingConfig
 from servicekit.contract.step import (
+    NO_BLOCK_IDS,
     CachedRequestData,
     EngineCoreOutput,
     FinishReason,
@@ -33,7 +34,6 @@ from servicekit.contract.worker import WorkerDescription
 log = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
-_NO_BLOCK_IDS: list[int] = []  # a plan's new block ids when none were needed: shared, never changed
 # Waiting requests (from the head) looked at for a prefix a capped prefill chunk shares with them:
 # those admitted in the next steps, at a bounded cost per step.
 SHARED_PREFIX_LOOKAHEAD = 64
@@ -191,7 +191,7 @@ class Scheduler:
                     rid = request.request_id
                     num_scheduled[rid] = 1
                     budget -= 1
-                    cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+                    cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS,
                                        request.num_computed_tokens)
                     i += 1
                     continue
@@ -224,7 +224,7 @@ class Scheduler:
                 continue  # ``request`` itself was preempted; running[i] is now the next one
             num_scheduled[request.request_id] = n
             budget -= n
-            cached_reqs.append(request.request_id, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+            cached_reqs.append(request.request_id, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS,
                                request.num_computed_tokens)
             i += 1
 
@@ -321,7 +321,7 @@ class Scheduler:
             new_blocks = kv.allocate_slots(request, n + 1)
             assert new_blocks is not None  # counted above
             num_scheduled[rid] = 1
-            cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else _NO_BLOCK_IDS,
+            cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS,
                                request.num_computed_tokens + n)
         output = SchedulerOutput(scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
                                  total_num_scheduled_tokens=len(num_scheduled),

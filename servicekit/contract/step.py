@@ -54,6 +54,9 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose KV is already in those blocks (prefix-cache hit)
 
 
+NO_BLOCK_IDS: list[int] = []  # a held request's new block ids when it got none: one shared list, never changed
+
+
 @dataclass(slots=True)
 class CachedRequestData:
     """The requests the worker already holds, only what changed, as columns (as vLLM's): entry ``i``

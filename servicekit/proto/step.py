@@ -12,6 +12,7 @@ from __future__ import annotations
 from itertools import chain
 
 from servicekit.contract.step import (
+    NO_BLOCK_IDS,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -20,8 +21,6 @@ from servicekit.contract.step import (
 from servicekit.contract.worker import WorkerDescription
 from servicekit.proto.pb import worker_pb2
 from servicekit.proto.sampling import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
-
-_NO_BLOCK_IDS: list[int] = []  # a held request's new block ids when it got none: shared, read only
 
 
 def worker_description_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
@@ -90,10 +89,10 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
             raise ValueError("a step's block id counts do not match its requests and block ids")
         flat, new_block_ids, start = columns.new_block_ids, [], 0
         for count in counts:
-            new_block_ids.append(list(flat[start:start + count]) if count else _NO_BLOCK_IDS)
+            new_block_ids.append(list(flat[start:start + count]) if count else NO_BLOCK_IDS)
             start += count
     else:
-        new_block_ids = [_NO_BLOCK_IDS] * len(req_ids)
+        new_block_ids = [NO_BLOCK_IDS] * len(req_ids)
     cached = CachedRequestData(req_ids, new_block_ids, list(columns.num_computed_tokens))
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
