@@ -32,12 +32,6 @@
 #define LOWEST (-1e30f)
 #define RESCALE_MARGIN 8.f
 
-static inline __attribute__((always_inline)) const bf16_t *cache_row(const bf16_t *cache, const int32_t *table,
-                                                                     int64_t pos, int block_size, int64_t s_block,
-                                                                     int64_t s_pos, int64_t offset) {
-    return cache + (int64_t)table[pos / block_size] * s_block + (pos % block_size) * s_pos + offset;
-}
-
 /* K of one KV head as B tiles of S = Q K^T (amx_tiles.h): tile (16 keys, 32 dims) at
  * kt + (tile * halves + half) * 256 words; positions past seq_len are zeros. */
 static void pack_k(uint32_t *kt, const bf16_t *cache, const int32_t *table, int seq_len, int num_tiles,
@@ -46,7 +40,7 @@ static void pack_k(uint32_t *kt, const bf16_t *cache, const int32_t *table, int 
         const bf16_t *rows[16];
         for (int n = 0; n < 16; n++) {
             const int64_t pos = (int64_t)t * 16 + n;
-            rows[n] = pos < seq_len ? cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
+            rows[n] = pos < seq_len ? amx_cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
         }
         amx_pack_k16(kt + (int64_t)t * (head_dim / 32) * 256, rows, head_dim);
     }
@@ -60,7 +54,7 @@ static void pack_v(bf16_t *vv, const bf16_t *cache, const int32_t *table, int se
         const bf16_t *rows[KB];
         for (int k = 0; k < KB; k++) {
             const int64_t pos = (int64_t)b * KB + k;
-            rows[k] = pos < seq_len ? cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
+            rows[k] = pos < seq_len ? amx_cache_row(cache, table, pos, block_size, s_block, s_pos, offset) : NULL;
         }
         amx_pack_v32(vv + (int64_t)b * (head_dim / 16) * 512, rows, head_dim);
     }
@@ -131,7 +125,6 @@ static void query_block(const struct call *c, int head, int i0) {
          * stay unscaled until the exponent (fused: s * scale - m); masks only on the blocks the
          * causal diagonal crosses. */
         const int whole = (int64_t)(b + 1) * KB <= ctx + i0 + 1; /* every row sees all 32 keys */
-        int rescaled = 0;
         for (int r = 0; r < QB; r++) {
             __m512 slo = _mm512_load_ps(s + r * KB), shi = _mm512_load_ps(s + r * KB + 16);
             __mmask16 mlo = 0xffff, mhi = 0xffff;
@@ -150,7 +143,6 @@ static void query_block(const struct call *c, int head, int i0) {
                 a = exp16(_mm512_set1_ps(m[r] - block_max))[0]; /* ~0 on the first block */
                 m[r] = block_max;
                 threshold[r] = (block_max + RESCALE_MARGIN) / c->scale;
-                rescaled = 1;
             }
             alpha[r] = a;
             const __m512 vm = _mm512_set1_ps(m[r]);
@@ -164,8 +156,7 @@ static void query_block(const struct call *c, int head, int i0) {
             /* the row's sum, lane-wise until the end */
             float *acc = lacc + r * 16;
             const __m512 sum = _mm512_add_ps(plo, phi);
-            _mm512_store_ps(acc, a == 1.f ? _mm512_add_ps(_mm512_load_ps(acc), sum)
-                                          : _mm512_fmadd_ps(_mm512_load_ps(acc), _mm512_set1_ps(a), sum));
+            _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_load_ps(acc), _mm512_set1_ps(a), sum));
         }
         _tile_loadd(T_P, p, KB * sizeof(bf16_t));
         for (int t = 0; t < dtiles; t++) {
@@ -173,17 +164,10 @@ static void query_block(const struct call *c, int head, int i0) {
             _tile_loadd(T_V, vv + ((int64_t)b * dtiles + t) * 512, 64);
             _tile_dpbf16ps(T_O, T_P, T_V);
             _tile_stored(T_O, tmp, 16 * sizeof(float));
-            if (rescaled) {
-                for (int r = 0; r < QB; r++) {
-                    float *row = o + r * D + t * 16;
-                    _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), _mm512_set1_ps(alpha[r]),
-                                                         _mm512_load_ps(tmp + r * 16)));
-                }
-            } else {
-                for (int r = 0; r < QB; r++) {
-                    float *row = o + r * D + t * 16;
-                    _mm512_store_ps(row, _mm512_add_ps(_mm512_load_ps(row), _mm512_load_ps(tmp + r * 16)));
-                }
+            for (int r = 0; r < QB; r++) { /* alpha 1 (no rescale) adds exactly */
+                float *row = o + r * D + t * 16;
+                _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), _mm512_set1_ps(alpha[r]),
+                                                     _mm512_load_ps(tmp + r * 16)));
             }
         }
     }

@@ -54,6 +54,14 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
+/* Position ``pos``'s row in a paged cache (``table``: the sequence's block ids; strides and
+ * ``offset``, its KV head's, in elements). */
+static inline __attribute__((always_inline)) const bf16_t *amx_cache_row(const bf16_t *cache, const int32_t *table,
+                                                                         int64_t pos, int block_size, int64_t s_block,
+                                                                         int64_t s_pos, int64_t offset) {
+    return cache + (int64_t)table[pos / block_size] * s_block + (pos % block_size) * s_pos + offset;
+}
+
 /* Every tile 16 rows of 64 bytes (32 bf16 or 16 fp32); per thread, before its first tile instruction. */
 static inline void amx_configure_tiles(void) {
     struct amx_tile_config cfg;

@@ -402,11 +402,9 @@ static void shared_chunk_amx(const struct args *a, const int *seqs, int n, int h
     for (int b = 0; b < CHUNK / 32; b++) {
         for (int c = 0; c < 2; c++) {  /* 0: K, 1: V */
             const bf16_t *cache = (const bf16_t *)(c ? a->value_cache : a->key_cache);
-            for (int k = 0; k < 32; k++) {
-                const int pos = chunk + 32 * b + k;
-                rows[k] = cache + (int64_t)table[pos / a->block_size] * a->c_stride_block + head
-                          + (int64_t)(pos % a->block_size) * a->c_stride_tok;
-            }
+            for (int k = 0; k < 32; k++)
+                rows[k] = amx_cache_row(cache, table, chunk + 32 * b + k, a->block_size, a->c_stride_block,
+                                        a->c_stride_tok, head);
             if (c) {
                 amx_pack_v32(vv + (int64_t)b * dtiles * 512, rows, HD);
             } else {

@@ -10,9 +10,6 @@ from scheduler_service.core.request import Request
 from servicekit.contract.step import NO_BLOCK_IDS
 
 
-_NO_BLOCKS: list[KVCacheBlock] = []  # returned, never changed: no block was needed
-
-
 class KVCacheManager:
     """Maps each request to its blocks (its block table) in one worker's pool.
 
@@ -106,23 +103,13 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def allocate_decode_slot(self, request: Request) -> list[KVCacheBlock] | None:
-        """``allocate_slots(request, 1)`` for a running request that holds its table: the hot path
-        of a decoding batch, where the last block usually has room and no block fills."""
-        rid = request.request_id
-        req_blocks = self.req_to_blocks[rid]
-        num_required_tokens = request.num_computed_tokens + 1
-        if num_required_tokens > len(req_blocks) * self.block_size:
-            return self.allocate_slots(request, 1)
-        if self.enable_caching and num_required_tokens // self.block_size > self.num_cached_blocks[rid]:
-            self.cache_blocks(request, num_required_tokens)
-        return _NO_BLOCKS
-
     def allocate_decode_slots(self, requests: Sequence[Request]) -> list[list[int]]:
-        """``allocate_decode_slot`` for the leading run of ``requests`` that are decoding (one token
-        left to compute) and that the pool can serve, as the ids of the blocks each got (the shared
-        empty list when none: do not mutate it). The result is as long as that run: the first
-        request not decoding, or not served, and those after it got nothing."""
+        """``allocate_slots(request, 1)`` for each of the leading run of ``requests`` that are decoding
+        (one token left to compute, their block table held) and that the pool can serve: the hot
+        path of a decoding batch, where the last block usually has room and no block fills. Returns
+        the ids of the blocks each got (the shared ``NO_BLOCK_IDS`` when none: do not mutate it), as
+        long as that run: the first request not decoding, or not served, and those after it got
+        nothing."""
         new_block_ids: list[list[int]] = []
         add = new_block_ids.append
         bs = self.block_size

@@ -173,8 +173,8 @@ class Scheduler:
 
         # Phase 1: the running batch. First the leading run of decoding requests (the hot path of a
         # decoding batch: one token each, usually room in the last block), then the rest one by one.
-        decode_slot = kv.allocate_decode_slot
-        new_block_ids = kv.allocate_decode_slots(running if len(running) <= budget else running[:budget])
+        decode_slots = kv.allocate_decode_slots
+        new_block_ids = decode_slots(running if len(running) <= budget else running[:budget])
         i = len(new_block_ids)
         if i:
             decoding = running[:i] if i < len(running) else running
@@ -186,13 +186,12 @@ class Scheduler:
             request = running[i]
             n = len(request.all_token_ids) - request.num_computed_tokens
             if n == 1:  # decoding: no cap applies; usually its last block has room
-                new_blocks = decode_slot(request)
-                if new_blocks is not None:
+                served = decode_slots((request,))
+                if served:
                     rid = request.request_id
                     num_scheduled[rid] = 1
                     budget -= 1
-                    cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS,
-                                       request.num_computed_tokens)
+                    cached_reqs.append(rid, served[0], request.num_computed_tokens)
                     i += 1
                     continue
             n = self._capped(request, request.num_computed_tokens, n, threshold, shared)
@@ -383,11 +382,8 @@ class Scheduler:
                     status = request.append_output_token(token)
                     if status is not None:
                         break  # tokens after a stop are dropped
-            if logprobs and rid in logprobs:
-                output = EngineCoreOutput(rid, new_tokens, first_index, None, logprobs[rid][:len(new_tokens)],
-                                          request.num_cached_tokens)
-            else:
-                output = EngineCoreOutput(rid, new_tokens, first_index, None, None, request.num_cached_tokens)
+            new_logprobs = logprobs[rid][:len(new_tokens)] if logprobs and rid in logprobs else None
+            output = EngineCoreOutput(rid, new_tokens, first_index, None, new_logprobs, request.num_cached_tokens)
             if not first_index and request.prompt_logprobs is not None:
                 output.prompt_logprobs = self._take_prompt_logprobs(request)
             add_output(output)

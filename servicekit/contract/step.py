@@ -68,9 +68,6 @@ class CachedRequestData:
     new_block_ids: list[Sequence[int]] = field(default_factory=list)  # appended to its block table; read only
     num_computed_tokens: list[int] = field(default_factory=list)  # tokens whose KV was computed before this step
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
     def append(self, request_id: str, new_block_ids: Sequence[int], num_computed_tokens: int) -> None:
         self.req_ids.append(request_id)
         self.new_block_ids.append(new_block_ids)

@@ -23,6 +23,19 @@ from servicekit.proto.pb import worker_pb2
 from servicekit.proto.sampling import logprobs_from_pb, logprobs_to_pb, sampling_params_from_pb, sampling_params_to_pb
 
 
+def _runs(flat, counts, num_requests: int, what: str, empty: list[int] | None = None) -> list[list[int]]:
+    """``flat`` cut into consecutive runs of ``counts[i]`` values, one per request (``empty``, when
+    given, for a run of none); ValueError naming ``what`` when the counts do not fit the requests
+    and the values."""
+    if len(counts) != num_requests or sum(counts) != len(flat):
+        raise ValueError(f"a step's {what} counts do not match its requests and {what}s")
+    runs, start = [], 0
+    for count in counts:
+        runs.append(empty if not count and empty is not None else list(flat[start:start + count]))
+        start += count
+    return runs
+
+
 def worker_description_to_pb(worker: WorkerDescription) -> worker_pb2.DescribeResponse:
     """The worker's Describe answer (its ``address`` is not on the wire: the caller dialled it)."""
     return worker_pb2.DescribeResponse(
@@ -83,14 +96,8 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
     columns = msg.scheduled_cached_reqs
     req_ids = list(columns.request_ids)
     num_scheduled.update(zip(req_ids, columns.num_scheduled_tokens))
-    counts = columns.num_new_block_ids
-    if counts:
-        if len(counts) != len(req_ids) or sum(counts) != len(columns.new_block_ids):
-            raise ValueError("a step's block id counts do not match its requests and block ids")
-        flat, new_block_ids, start = columns.new_block_ids, [], 0
-        for count in counts:
-            new_block_ids.append(list(flat[start:start + count]) if count else NO_BLOCK_IDS)
-            start += count
+    if columns.num_new_block_ids:
+        new_block_ids = _runs(columns.new_block_ids, columns.num_new_block_ids, len(req_ids), "block id", NO_BLOCK_IDS)
     else:
         new_block_ids = [NO_BLOCK_IDS] * len(req_ids)
     cached = CachedRequestData(req_ids, new_block_ids, list(columns.num_computed_tokens))
@@ -127,12 +134,7 @@ def runner_output_from_pb(msg: worker_pb2.StepResponse) -> ModelRunnerOutput:
             raise ValueError(f"a step's answer names {len(request_ids)} requests and {len(token_ids)} tokens")
         sampled = {rid: [token] for rid, token in zip(request_ids, token_ids)}
     else:
-        if len(counts) != len(request_ids) or sum(counts) != len(token_ids):
-            raise ValueError("a step's answer has token counts that do not match its requests and tokens")
-        sampled, start = {}, 0
-        for rid, count in zip(request_ids, counts):
-            sampled[rid] = list(token_ids[start:start + count])
-            start += count
+        sampled = dict(zip(request_ids, _runs(token_ids, counts, len(request_ids), "token")))
     logprobs = {entry.request_id: logprobs_from_pb(entry.logprobs) for entry in columns.logprobs}
     prompt = {p.request_id: (p.first_index, logprobs_from_pb(p.logprobs)) for p in msg.prompt_logprobs}
     return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt)
