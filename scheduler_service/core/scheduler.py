@@ -583,7 +583,14 @@ class Scheduler:
         head, _, _ = self._fair_due()
         if head is None:
             return None, 0
-        return head, min(head.num_tokens, threshold or budget, budget)
+        reserve = min(head.num_tokens, threshold or budget, budget)
+        kv = self.kv_cache_manager
+        if kv.get_num_blocks_needed(reserve) > kv.get_num_free_blocks():
+            # Its chunk would not get its blocks this step (before prefix hits): a budget kept for it
+            # would hold back the running requests' chunks too, and with nothing running to
+            # completion no block would ever come free.
+            return None, 0
+        return head, reserve
 
     def _preempt(self, request: Request) -> None:
         """Recompute-preemption: free its blocks, forget its progress, put it at the queue front."""
