@@ -283,7 +283,9 @@ class WorkerEngine:
 
     @staticmethod
     def _is_decode_step(step: SchedulerOutput) -> bool:
-        return step.total_num_scheduled_tokens == len(step.num_scheduled_tokens)
+        """Every scheduled request decodes: one token each, and its draft tokens."""
+        drafts = sum(map(len, step.scheduled_spec_decode_tokens.values())) if step.scheduled_spec_decode_tokens else 0
+        return step.total_num_scheduled_tokens == len(step.num_scheduled_tokens) + drafts
 
     def _observe_step(self, step: SchedulerOutput, took: float) -> None:
         def averaged(previous: float, value: float) -> float:  # 0.0: nothing seen yet

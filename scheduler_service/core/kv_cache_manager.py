@@ -103,9 +103,10 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def allocate_decode_slots(self, requests: Sequence[Request]) -> list[list[int]]:
-        """``allocate_slots(request, 1)`` for each of the leading run of ``requests`` that are decoding
-        (one token left to compute, their block table held) and that the pool can serve: the hot
+    def allocate_decode_slots(self, requests: Sequence[Request], with_drafts: bool = False) -> list[list[int]]:
+        """``allocate_slots(request, 1)`` for each of the leading run of ``requests`` that are
+        decoding (one token left to compute, their block table held) and that the pool can serve
+        (``with_drafts``: ``1 + len(request.spec_token_ids)``, its draft tokens computed with it): the hot
         path of a decoding batch, where the last block usually has room and no block fills. Returns
         the ids of the blocks each got (the shared ``NO_BLOCK_IDS`` when none: do not mutate it), as
         long as that run: the first request not decoding, or not served, and those after it got
@@ -119,9 +120,11 @@ class KVCacheManager:
             num_required_tokens = request.num_computed_tokens + 1
             if len(request.all_token_ids) != num_required_tokens:
                 break  # not decoding
+            if with_drafts:
+                num_required_tokens += len(request.spec_token_ids)
             rid = request.request_id
             if num_required_tokens > len(tables[rid]) * bs:
-                new_blocks = self.allocate_slots(request, 1)
+                new_blocks = self.allocate_slots(request, num_required_tokens - request.num_computed_tokens)
                 if new_blocks is None:
                     break
                 add([b.block_id for b in new_blocks])

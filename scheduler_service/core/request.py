@@ -59,6 +59,7 @@ class Request:
         "status", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "block_hashes", "max_tokens", "stop_token_set", "all_token_ids", "output_token_ids",
         "_block_size", "_first_extra_keys", "prompt_logprobs", "tenant", "tenant_weight",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -101,6 +102,10 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and not self.output_token_ids
             else None)
+        # Draft tokens for the next step (n-gram speculation), as the worker proposed them with the
+        # tokens of the step that appended this request's last ones: valid for the token ids as
+        # they are then; not outputs.
+        self.spec_token_ids: list[int] = []
         self._block_size = 0  # 0: block hashing off
         self._first_extra_keys = cache_salt_extra_keys(cache_salt)  # only the first block's hash
         if block_size is not None:

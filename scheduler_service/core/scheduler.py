@@ -93,6 +93,9 @@ class Scheduler:
         self.tenant_usage: dict[str, list[int]] = {}  # tokens of finished requests per tenant: take_tenant_usage()
         self._seed_rng = seed_rng if seed_rng is not None else random.Random(0)  # seeds for unseeded requests
         self._eos_token_ids = frozenset(worker.eos_token_ids)
+        # running requests with draft tokens for the next step (n-gram speculation), by id: the
+        # worker's proposals taken by the latest update_from_output, for the token ids as they are since
+        self._drafted: dict[str, Request] = {}
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -169,12 +172,18 @@ class Scheduler:
             seat_victim = running.pop(victim_index)
             self._preempt(seat_victim)
         due, reserve = self._fair_reserve(threshold, budget) if cfg.policy == "fair" else (None, 0)
+        drafted, self._drafted = self._drafted, {}
+        if drafted and len(running) + sum(len(r.spec_token_ids) for r in drafted.values()) > budget:
+            for request in drafted.values():  # the step is full without them (rare: 2,048 tokens a step)
+                request.spec_token_ids = []
+            drafted = {}
+        spec_tokens: dict[str, list[int]] = {}
         others = cfg.shared_prefill_token_threshold or budget  # with ``due``: prefill tokens for the others
 
         # Phase 1: the running batch. First the leading run of decoding requests (the hot path of a
         # decoding batch: one token each, usually room in the last block), then the rest one by one.
         decode_slots = kv.allocate_decode_slots
-        new_block_ids = decode_slots(running if len(running) <= budget else running[:budget])
+        new_block_ids = decode_slots(running if len(running) <= budget else running[:budget], bool(drafted))
         i = len(new_block_ids)
         if i:
             decoding = running[:i] if i < len(running) else running
@@ -182,15 +191,26 @@ class Scheduler:
             num_scheduled = dict.fromkeys(rids, 1)
             cached_reqs = CachedRequestData(rids, new_block_ids, [r.num_computed_tokens for r in decoding])
             budget -= i
+            for rid, request in drafted.items():
+                if rid in num_scheduled:
+                    drafts = request.spec_token_ids
+                    num_scheduled[rid] += len(drafts)
+                    budget -= len(drafts)
+                    spec_tokens[rid] = drafts
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids) - request.num_computed_tokens
             if n == 1:  # decoding: no cap applies; usually its last block has room
-                served = decode_slots((request,))
+                drafts = request.spec_token_ids
+                if drafts and (len(drafts) >= budget or request.request_id not in drafted):
+                    request.spec_token_ids = drafts = []  # no room for them (or stale)
+                served = decode_slots((request,), bool(drafts))
                 if served:
                     rid = request.request_id
-                    num_scheduled[rid] = 1
-                    budget -= 1
+                    num_scheduled[rid] = 1 + len(drafts)
+                    budget -= 1 + len(drafts)
+                    if drafts:
+                        spec_tokens[rid] = drafts
                     cached_reqs.append(rid, served[0], request.num_computed_tokens)
                     i += 1
                     continue
@@ -212,6 +232,7 @@ class Scheduler:
                 if rid in num_scheduled:  # priority policy: undo its place in this step
                     budget += num_scheduled.pop(rid)
                     cached_reqs.remove(rid)
+                    spec_tokens.pop(rid, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -262,6 +283,8 @@ class Scheduler:
                 rid, list(request.prompt_token_ids), list(request.output_token_ids),
                 request.sampling_params, kv.get_block_ids(rid), num_computed))
 
+        for request in drafted.values():  # sent (in ``spec_tokens``) or not: either way used up
+            request.spec_token_ids = []
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -270,6 +293,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted}
             | ({seat_victim.request_id} if seat_victim is not None else set()),
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return output
@@ -289,11 +313,14 @@ class Scheduler:
         covers blocks with known hashes only). Too few free blocks returns None, allocating nothing
         (every block a request holds must reach the worker in some plan's ``new_block_ids``).
 
+        A step with draft tokens (n-gram speculation) has no continuation: how many of them are
+        accepted decides the next plan; nor has one while drafts wait for ``schedule()``.
+
         Call it at most once per step in flight, before that step's ``update_from_output``."""
         planned = in_flight.num_scheduled_tokens
         running = self.running
-        if not planned or not running:
-            return None
+        if not planned or not running or in_flight.scheduled_spec_decode_tokens or self._drafted:
+            return None  # drafts in flight (their accepted count is not known) or for a plan to take
         if self.waiting and (len(running) < self.config.max_num_seqs or self._fair_seat_victim() is not None):
             return None  # a waiting request may take a seat: schedule() decides, with the results in
         if len(running) > self.config.max_num_batched_tokens:
@@ -340,6 +367,11 @@ class Scheduler:
         position, so the retry samples the same token).
         """
         sampled = model_runner_output.sampled_token_ids
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for request in self._drafted.values():  # drafts for token ids this step may change
+            request.spec_token_ids = []
+        drafted: dict[str, Request] = {}
+        self._drafted = drafted
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         requests = self.requests
@@ -358,6 +390,12 @@ class Scheduler:
                 tokens = sampled.get(rid)
                 if not tokens:
                     computed = num_tokens - 1  # the worker owes us a sample: redo the last token
+                elif spec and rid in spec:
+                    # the drafts accepted, then the token sampled after them: the rejected
+                    # drafts' positions are computed again (with the right tokens) later
+                    k = len(spec[rid])
+                    tokens = tokens[:k + 1]
+                    computed -= k + 1 - len(tokens)
             else:
                 tokens = None  # a partial prefill chunk samples nothing
             request.num_computed_tokens = computed  # full blocks were cached at allocation
@@ -394,6 +432,15 @@ class Scheduler:
             for request, status in finished:
                 self._finish(request, status)
             self.running = [r for r in self.running if r.status is _RUNNING]
+        for rid, drafts in model_runner_output.spec_token_ids.items():
+            # the worker's drafts for the next step of a request that goes on, within what it may take
+            request = requests.get(rid)
+            if request is None or request.status is not _RUNNING or rid not in sampled:
+                continue
+            drafts = drafts[:request.sampling_params.max_drafts(request.num_output_tokens)]
+            if drafts:
+                request.spec_token_ids = drafts
+                drafted[rid] = request
         return outputs
 
     def take_tenant_usage(self) -> dict[str, list[int]]:
@@ -595,6 +642,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-preemption: free its blocks, forget its progress, put it at the queue front."""
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -114,6 +114,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def speculable(self) -> bool:
+        """Whether draft tokens can be verified for this request in one step (servicekit.contract.step):
+        its token at an output position depends only on the logits there and the position (seed,
+        temperature and filters, bias, allowed ids), not on the outputs before it (penalties, a
+        grammar), and it asks for no per-token logprobs. ``min_tokens`` bans depend on the position
+        too: the scheduler proposes drafts only once they are past."""
+        return (self.structured_output is None and self.logprobs is None and self.repetition_penalty == 1.0
+                and not self.presence_penalty and not self.frequency_penalty)
+
+    def max_drafts(self, num_outputs: int) -> int:
+        """Draft tokens a request with ``num_outputs`` outputs may verify in its next step: none
+        unless ``speculable`` and past ``min_tokens``; never more than the outputs left after the
+        token that step samples anyway. The one rule: the worker proposes within it, the
+        scheduler schedules within it."""
+        if num_outputs < self.min_tokens or not self.speculable:
+            return 0
+        return max(0, self.max_tokens - num_outputs - 1)
+
     def with_seed(self, seed: int) -> SamplingParams:
         """A copy with ``seed`` set (validated like any field)."""
         return replace(self, seed=seed)

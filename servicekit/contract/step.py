@@ -20,6 +20,16 @@ Invariants a worker may rely on:
 - A request samples a token in a step exactly when the step's tokens reach the end of its known
   token ids (``num_computed_tokens + num_scheduled_tokens == len(all token ids)``); a partial prefill
   chunk samples nothing.
+- Draft tokens (``scheduled_spec_decode_tokens``, n-gram speculation) extend a decoding request's
+  known token ids for this step only: the step computes its last token and the ``k`` drafts after
+  it (``num_scheduled_tokens == 1 + k``), samples at each of those ``k + 1`` positions exactly as it
+  would one at a time, and returns the sampled tokens up to and including the first that differs
+  from its draft (all ``k + 1`` when every draft matched). The scheduler then takes the rejected
+  drafts' positions back from ``num_computed_tokens``; their KV slots are rewritten by later steps.
+  Only requests whose next token depends on nothing but the logits and the position get drafts
+  (``SamplingParams.speculable``), so verification is exact, sampled requests included. A worker
+  proposes drafts with a step's answer (``ModelRunnerOutput.spec_token_ids``); the scheduler
+  schedules them, within ``SamplingParams.max_drafts``, in the request's next step or not at all.
 """
 
 from __future__ import annotations
@@ -89,6 +99,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # request id -> draft tokens to verify after its last token (only requests that have some)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -115,6 +127,9 @@ class ModelRunnerOutput:
     # requests with SamplingParams.prompt_logprobs whose prompt this step computed (no output yet):
     # the logits at position p give the entry of prompt token p + 1; a partial chunk has some too.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> draft tokens for its next step (n-gram speculation), proposed from its tokens
+    # after this step's: only for requests that sampled and have a match
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class EngineCoreOutput(msgspec.Struct, gc=False):

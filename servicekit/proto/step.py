@@ -78,7 +78,21 @@ def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.Step
         if any(counts):  # left out when no request got a block
             out.num_new_block_ids.extend(counts)
             out.new_block_ids.extend(chain.from_iterable(cached.new_block_ids))
+    if so.scheduled_spec_decode_tokens:
+        _drafts_to_pb(so.scheduled_spec_decode_tokens, msg.scheduled_spec_decode_tokens)
     return msg
+
+
+def _drafts_to_pb(drafts: dict[str, list[int]], msg: worker_pb2.DraftTokens) -> None:
+    msg.request_ids.extend(drafts)
+    msg.num_token_ids.extend(map(len, drafts.values()))
+    msg.token_ids.extend(chain.from_iterable(drafts.values()))
+
+
+def _drafts_from_pb(msg: worker_pb2.DraftTokens) -> dict[str, list[int]]:
+    if not msg.request_ids:
+        return {}
+    return dict(zip(msg.request_ids, _runs(msg.token_ids, msg.num_token_ids, len(msg.request_ids), "draft token")))
 
 
 def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
@@ -104,7 +118,8 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
     return SchedulerOutput(
         scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
         num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
-        finished_req_ids=set(msg.finished_req_ids), preempted_req_ids=set(msg.preempted_req_ids))
+        finished_req_ids=set(msg.finished_req_ids), preempted_req_ids=set(msg.preempted_req_ids),
+        scheduled_spec_decode_tokens=_drafts_from_pb(msg.scheduled_spec_decode_tokens))
 
 
 def runner_output_to_pb(output: ModelRunnerOutput, step_id: int, execute_seconds: float
@@ -123,6 +138,8 @@ def runner_output_to_pb(output: ModelRunnerOutput, step_id: int, execute_seconds
             logprobs_to_pb(entries, out.logprobs.add(request_id=rid).logprobs)
     for rid, (first_index, items) in output.prompt_logprobs.items():
         logprobs_to_pb(items, msg.prompt_logprobs.add(request_id=rid, first_index=first_index).logprobs)
+    if output.spec_token_ids:
+        _drafts_to_pb(output.spec_token_ids, msg.spec_token_ids)
     return msg
 
 
@@ -137,4 +154,5 @@ def runner_output_from_pb(msg: worker_pb2.StepResponse) -> ModelRunnerOutput:
         sampled = dict(zip(request_ids, _runs(token_ids, counts, len(request_ids), "token")))
     logprobs = {entry.request_id: logprobs_from_pb(entry.logprobs) for entry in columns.logprobs}
     prompt = {p.request_id: (p.first_index, logprobs_from_pb(p.logprobs)) for p in msg.prompt_logprobs}
-    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt)
+    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt,
+                             spec_token_ids=_drafts_from_pb(msg.spec_token_ids))

@@ -90,3 +90,16 @@ def test_columns_that_do_not_add_up_are_refused():
     msg.scheduled_cached_reqs.num_new_block_ids.append(4)  # a count for a request that is not there
     with pytest.raises(ValueError, match="block id counts"):
         step.scheduler_output_from_pb(msg)
+
+
+def test_draft_tokens_go_as_columns_and_come_back():
+    so = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a", "b", "c"], [[], [4], []], [10, 20, 30]),
+                         num_scheduled_tokens={"a": 4, "b": 1, "c": 3}, total_num_scheduled_tokens=8,
+                         scheduled_spec_decode_tokens={"a": [5, 6, 7], "c": [8, 9]})
+    msg = step.scheduler_output_to_pb(so, 3)
+    assert list(msg.scheduled_spec_decode_tokens.num_token_ids) == [3, 2]
+    assert step.scheduler_output_from_pb(msg) == so
+    assert not step.scheduler_output_to_pb(make_step(), 1).HasField("scheduled_spec_decode_tokens")
+    msg.scheduled_spec_decode_tokens.token_ids.append(1)  # a draft no count covers
+    with pytest.raises(ValueError, match="draft token counts"):
+        step.scheduler_output_from_pb(msg)

@@ -69,14 +69,15 @@ def sampling_ids(scheduler: Scheduler, out: SchedulerOutput) -> list[str]:
     ids = []
     for rid, n in out.num_scheduled_tokens.items():
         req = scheduler.requests[rid]
-        if req.num_computed_tokens + n == req.num_tokens:
+        if req.num_computed_tokens + n == req.num_tokens + len(out.scheduled_spec_decode_tokens.get(rid, ())):
             ids.append(rid)
     return ids
 
 
 def model_output(scheduler: Scheduler, out: SchedulerOutput,
                  tokens: dict[str, int] | Callable[[str], int] | int = 100) -> ModelRunnerOutput:
-    """One sampled token per sampling request: from a dict (default 100), a function of the id, or a constant."""
+    """One sampled token per sampling request: from a dict (default 100), a function of the id, or a constant
+    (a request with draft tokens then keeps none of them: its first token is taken as differing)."""
     sampled = {}
     for rid in sampling_ids(scheduler, out):
         if callable(tokens):
@@ -102,6 +103,7 @@ class _HeldRequest:
     num_prompt_tokens: int
     block_ids: list[int]  # block table, append-only
     num_computed_tokens: int
+    params: SamplingParams
 
 
 @dataclass
@@ -111,12 +113,16 @@ class FakeWorker:
     KV is simulated: each slot stores (position, token id) written when the token is computed, so a
     prefix-cache hit or a block table pointing at the wrong block shows up as a mismatch.
     ``token_fn(request_id, output_index)`` is the model: a pure function, as sampling is in pagedserve.
+    With ``num_drafts``, it proposes up to that many draft tokens per request that sampled, as a real
+    worker does (what followed the latest earlier occurrence of its last two tokens), and verifies
+    the drafts it is given.
     """
 
     num_blocks: int
     block_size: int
     token_fn: Callable[[str, int], int]
     check_every: int = 8  # verify a request's whole KV context every this many sampled tokens
+    num_drafts: int = 0  # draft tokens to propose per request (0: none)
     held: dict[str, _HeldRequest] = field(default_factory=dict)
     kv: list = field(default_factory=list)
 
@@ -145,7 +151,8 @@ class FakeWorker:
             assert new.request_id not in self.held, f"{new.request_id} sent as new twice"
             assert new.sampling_params.seed is not None
             held = _HeldRequest(list(new.prompt_token_ids) + list(new.output_token_ids),
-                                len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens)
+                                len(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens,
+                                new.sampling_params)
             assert new.num_computed_tokens % self.block_size == 0
             self.held[new.request_id] = held
         cached = out.scheduled_cached_reqs
@@ -157,13 +164,17 @@ class FakeWorker:
             held.block_ids.extend(new_block_ids)
         sampled: dict[str, list[int]] = {}
         bs = self.block_size
+        spec = out.scheduled_spec_decode_tokens
+        assert set(spec) <= set(out.num_scheduled_tokens), "drafts for a request not scheduled"
         # Write every scheduled token's KV first (per layer, as a real batch does), then sample.
         for rid, n in out.num_scheduled_tokens.items():
             held = self.held[rid]
-            assert n >= 1 and held.num_computed_tokens + n <= len(held.token_ids)
+            known = held.token_ids + spec.get(rid, [])  # drafts are this step's inputs after its tokens
+            assert n >= 1 and held.num_computed_tokens + n <= len(known)
+            assert rid not in spec or held.num_computed_tokens + n == len(known), "drafts of a request not decoding"
             assert len(held.block_ids) * bs >= held.num_computed_tokens + n, "too few blocks"
             for pos in range(held.num_computed_tokens, held.num_computed_tokens + n):
-                self.kv[held.block_ids[pos // bs] * bs + pos % bs] = (pos, held.token_ids[pos])
+                self.kv[held.block_ids[pos // bs] * bs + pos % bs] = (pos, known[pos])
             held.num_computed_tokens += n
         for new in out.scheduled_new_reqs:
             # The prefix-cache hit holds our tokens once the batch's KV is written: a hit may name
@@ -171,11 +182,29 @@ class FakeWorker:
             self._check_context(self.held[new.request_id], new.num_computed_tokens)
         for rid in out.num_scheduled_tokens:
             held = self.held[rid]
-            if held.num_computed_tokens == len(held.token_ids):
+            drafts = spec.get(rid, [])
+            if held.num_computed_tokens == len(held.token_ids) + len(drafts):
                 index = len(held.token_ids) - held.num_prompt_tokens
                 if index % self.check_every == 0:
-                    self._check_context(held, held.num_computed_tokens)
-                token = self.token_fn(rid, index)
-                held.token_ids.append(token)
-                sampled[rid] = [token]
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+                    self._check_context(held, len(held.token_ids))
+                # a real worker's verification: the sampled tokens up to the first that differs
+                # from its draft; the rejected drafts' positions count as not computed
+                tokens = [self.token_fn(rid, index)]
+                for draft in drafts:
+                    if tokens[-1] != draft:
+                        break
+                    tokens.append(self.token_fn(rid, index + len(tokens)))
+                held.num_computed_tokens = len(held.token_ids) - 1 + len(tokens)
+                held.token_ids.extend(tokens)
+                sampled[rid] = tokens
+        proposed = {rid: self._propose(self.held[rid]) for rid in sampled} if self.num_drafts else {}
+        return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids={r: d for r, d in proposed.items() if d})
+
+    def _propose(self, held: _HeldRequest) -> list[int]:
+        tokens = held.token_ids
+        k = min(self.num_drafts, held.params.max_drafts(len(tokens) - held.num_prompt_tokens))
+        suffix = tokens[-2:]
+        for start in range(len(tokens) - 3, -1, -1):
+            if tokens[start:start + 2] == suffix:
+                return tokens[start + 2:start + 2 + k] if k > 0 else []
+        return []

@@ -23,10 +23,14 @@ def token_fn(request_id: str, index: int) -> int:
     return zlib.crc32(f"{request_id}/{index}".encode()) % 50 or EOS
 
 
-def simulate(num_requests: int, seed: int, *, tenants: int = 0, **config):
+def simulate(num_requests: int, seed: int, *, tenants: int = 0, model=token_fn, steps: list | None = None,
+             num_drafts: int = 0, **config):
+    """Run ``num_requests`` to the end and check every token; ``model(request_id, index)`` is the fake
+    model, ``num_drafts`` the draft tokens its worker proposes, ``steps`` (when given) collects each
+    step's plan."""
     rng = random.Random(seed)
     s = make_scheduler(seed_rng=random.Random(seed), **config)
-    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn)
+    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, model, num_drafts=num_drafts)
     arrivals: dict[int, list] = {}
     expected: dict[str, int] = {}
     for k in range(num_requests):
@@ -46,6 +50,8 @@ def simulate(num_requests: int, seed: int, *, tenants: int = 0, **config):
         for request in arrivals.pop(step_no, []):
             s.add_request(request)
         out = s.schedule()
+        if steps is not None:
+            steps.append(out)
         assert out.total_num_scheduled_tokens <= s.config.max_num_batched_tokens
         assert s.num_running <= s.config.max_num_seqs
         for rid in out.num_scheduled_tokens:
@@ -61,7 +67,7 @@ def simulate(num_requests: int, seed: int, *, tenants: int = 0, **config):
         step_no += 1
         assert step_no < 50 * num_requests, "no progress"
     for rid, n in expected.items():
-        assert delivered[rid] == [token_fn(rid, i) for i in range(n)]
+        assert delivered[rid] == [model(rid, i) for i in range(n)]
     kv = s.kv_cache_manager
     assert not s.has_unfinished_requests() and s.num_waiting == 0 and s.num_running == 0
     assert kv.get_num_free_blocks() == kv.num_total_blocks and kv.usage == 0.0

@@ -1,0 +1,162 @@
+"""Draft tokens (n-gram speculation) in the scheduler core: the worker proposes them with a step's
+answer, the scheduler schedules them in the request's next step and takes back the positions of
+those the worker did not keep.
+
+The FakeWorker proposes and verifies drafts as a real worker does and checks the KV of every
+position it reads, so a rejected draft's position counted as computed, or a block table too short
+for the drafts, shows up.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from scheduler_service.core import ModelRunnerOutput, SamplingParams
+
+from .helpers import FakeWorker, make_request, make_scheduler, step
+from .test_simulation import simulate
+
+
+def looping_model(request_id: str, index: int) -> int:
+    """A model that repeats a short cycle (as a small model decoding greedily often does), with a
+    token off the cycle now and then: drafts are mostly right, sometimes wrong."""
+    h = zlib.crc32(f"{request_id}/{index}".encode())
+    if h % 11 == 0:
+        return 10 + h % 40
+    period = 3 + zlib.crc32(request_id.encode()) % 4
+    return 20 + index % period
+
+
+def test_every_token_is_what_one_token_steps_give_with_fewer_steps():
+    runs = {}
+    for k in (0, 3):
+        steps: list = []
+        simulate(200, seed=3, model=looping_model, steps=steps, num_drafts=k, num_blocks=81, block_size=4,
+                 max_model_len=128, max_num_batched_tokens=64, max_num_seqs=24)
+        runs[k] = steps
+    drafted = [out for out in runs[3] if out.scheduled_spec_decode_tokens]
+    assert not any(out.scheduled_spec_decode_tokens for out in runs[0])
+    assert drafted, "the looping model's requests never got drafts"
+    for out in drafted:
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            assert 1 <= len(drafts) <= 3 and out.num_scheduled_tokens[rid] == 1 + len(drafts)
+    assert len(runs[3]) < 0.7 * len(runs[0])  # simulate() checked every token of both runs
+
+
+@pytest.mark.parametrize("config", [dict(), dict(policy="priority", long_prefill_token_threshold=16),
+                                    dict(policy="fair", tenants=4)])
+def test_drafts_under_preemption_lose_and_change_nothing(config):
+    simulate(400, seed=11, model=looping_model, num_drafts=4, num_blocks=41, block_size=4, max_model_len=128,
+             max_num_batched_tokens=48, max_num_seqs=24, **config)
+
+
+def run_alone(request, num_drafts: int, **config) -> list:
+    """``request`` alone through a FakeWorker proposing ``num_drafts``; returns (outputs before, plan) per step."""
+    s = make_scheduler(**config)
+    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, looping_model, num_drafts=num_drafts)
+    s.add_request(request)
+    plans = []
+    while s.has_unfinished_requests():
+        before = request.num_output_tokens
+        out = s.schedule()
+        plans.append((before, out))
+        s.update_from_output(out, worker.execute(out))
+    return plans
+
+
+def test_drafts_never_reach_past_max_tokens():
+    request = make_request(prompt_token_ids=[20, 21, 22] * 4, max_tokens=10, ignore_eos=True)
+    plans = run_alone(request, num_drafts=8)
+    assert request.output_token_ids == [looping_model(request.request_id, i) for i in range(10)]
+    for before, out in plans:
+        # it samples at output indices before .. before + drafts, all below max_tokens
+        assert before + len(out.scheduled_spec_decode_tokens.get(request.request_id, [])) < 10
+    assert any(out.scheduled_spec_decode_tokens for _, out in plans)
+
+
+def test_drafts_beyond_what_a_request_may_take_are_not_scheduled():
+    s = make_scheduler()
+    penalised = make_request(prompt_token_ids=[5, 6, 7] * 3, max_tokens=10, presence_penalty=0.5)
+    short = make_request(prompt_token_ids=[5, 6, 7] * 3, max_tokens=3, ignore_eos=True)
+    early = make_request(prompt_token_ids=[5, 6, 7] * 3, max_tokens=10, min_tokens=4, ignore_eos=True)
+    for r in (penalised, short, early):
+        s.add_request(r)
+    out = s.schedule()
+    drafts = {r.request_id: [5, 6, 7, 5] for r in (penalised, short, early)}
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [7] for rid in drafts}, spec_token_ids=drafts))
+    plan = s.schedule()
+    # a penalty makes tokens depend on the outputs before them; max_tokens 3 leaves one draft after
+    # the token the step samples anyway; min_tokens bans depend on the position until it is reached
+    assert plan.scheduled_spec_decode_tokens == {short.request_id: [5]}
+    assert plan.num_scheduled_tokens == {penalised.request_id: 1, short.request_id: 2, early.request_id: 1}
+
+
+def test_a_rejected_draft_is_computed_again_and_the_count_rolls_back():
+    s = make_scheduler()
+    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=10, ignore_eos=True)
+    s.add_request(request)
+    out = s.schedule()
+    rid = request.request_id
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids={rid: [5, 6, 7]}))
+    assert request.spec_token_ids == [5, 6, 7]
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {rid: [5, 6, 7]}
+    assert out.num_scheduled_tokens[rid] == 4 and out.total_num_scheduled_tokens == 4
+    assert request.spec_token_ids == []  # used up by the plan
+    before = request.num_computed_tokens
+    # the worker sampled 5 (= draft 0), then 9 (draft 1 was 6): keeps [5, 9]
+    results = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [5, 9]}))
+    assert results[0].new_token_ids == [5, 9] and results[0].first_index == 1
+    assert request.num_computed_tokens == before + 2  # its last token and draft 0; draft 1's position again
+    assert request.num_tokens - request.num_computed_tokens == 1
+    assert s.schedule().num_scheduled_tokens == {rid: 1}  # no drafts proposed this time
+
+
+def test_tokens_after_a_stop_among_the_drafts_are_dropped():
+    s = make_scheduler()
+    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=10, stop_token_ids=[6])
+    rid = request.request_id
+    s.add_request(request)
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids={rid: [5, 6, 7]}))
+    results = s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [5, 6, 7, 8]}))
+    assert results[0].new_token_ids == [5, 6] and results[0].finished
+    assert not s.has_unfinished_requests()
+    assert s.kv_cache_manager.get_num_free_blocks() == s.kv_cache_manager.num_total_blocks
+
+
+def test_drafts_that_do_not_fit_the_budget_are_dropped_not_the_requests():
+    s = make_scheduler(max_num_batched_tokens=6)
+    requests = [make_request(prompt_token_ids=[5, 6, 5], max_tokens=10, ignore_eos=True) for _ in range(2)]
+    for r in requests:
+        s.add_request(r)
+    out = s.schedule()
+    ids = [r.request_id for r in requests]
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [6] for rid in ids},
+                                                spec_token_ids={rid: [7, 5, 6] for rid in ids}))
+    plan = s.schedule()  # 2 + 6 drafts > 6: the step goes without drafts
+    assert plan.scheduled_spec_decode_tokens == {} and plan.num_scheduled_tokens == dict.fromkeys(ids, 1)
+
+
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_no_continuation_of_a_step_with_drafts(num_drafts):
+    s = make_scheduler()
+    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=10, ignore_eos=True)
+    rid = request.request_id
+    s.add_request(request)
+    proposal = {rid: [5, 6, 7][:num_drafts]} if num_drafts else {}
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids=proposal))
+    plan = s.schedule()
+    assert bool(plan.scheduled_spec_decode_tokens) == bool(num_drafts)
+    # how many drafts the worker keeps decides the next plan: it waits for the results
+    assert (s.schedule_continuation(plan) is None) == bool(num_drafts)
+
+
+def test_max_drafts_is_the_one_rule():
+    params = SamplingParams(max_tokens=10, min_tokens=2, temperature=0.8, top_p=0.9, seed=1)
+    assert [params.max_drafts(n) for n in (0, 1, 2, 8, 9)] == [0, 0, 7, 1, 0]
+    assert SamplingParams(logit_bias={5: 1.0}).speculable
+    assert not SamplingParams(logprobs=0).speculable
+    assert not SamplingParams(repetition_penalty=1.1).max_drafts(0)
