@@ -79,6 +79,16 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
                                                 "outputs; faster small batches)")
     tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds so per-step activations reuse warm "
                                            "memory (process-wide)")
+    # n-gram speculation (worker_service/ngram.py): the worker proposes, the scheduler schedules
+    num_speculative_tokens: int = setting(
+        3, minimum=0, maximum=16,
+        help="draft tokens proposed per decoding request and step by prompt lookup (n-gram speculation: the "
+             "tokens that followed the latest earlier occurrence of its last tokens), verified in its next "
+             "step; outputs are unchanged, a wrong guess costs compute only (0: off)")
+    prompt_lookup_min: int = setting(2, minimum=1, maximum=16, help="shortest suffix n-gram prompt lookup matches")
+    prompt_lookup_max: int = setting(3, minimum=1, maximum=16,
+                                     help="longest suffix n-gram prompt lookup matches (the longest that occurred "
+                                          "before wins)")
 
     DEFAULT_CPU_KV_CACHE_MEMORY = "1GiB"
 
@@ -86,6 +96,9 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
         ModelConfig.__post_init__(self)
         if self.kv_cache_memory is not None:
             parse_memory(self.kv_cache_memory)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidArgumentError("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max}), "
+                                                            f"got {self.prompt_lookup_min}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ import numpy as np
 
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import CachedRequestData, NewRequestData
+from worker_service.ngram import NgramIndex
 from worker_service.sampler import staged_repetition_penalty, staged_temperature
 from worker_service.structured_output import StructuredRows
 
@@ -39,7 +40,8 @@ def min_tokens_banned_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, *,
-                 vocab_size: int, eos_token_ids: tuple[int, ...], structured: StructuredRows | None = None) -> None:
+                 vocab_size: int, eos_token_ids: tuple[int, ...], structured: StructuredRows | None = None,
+                 prompt_lookup: tuple[int, int] | None = None) -> None:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -65,6 +67,11 @@ class InputBatch:
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)  # -1 = none
         # top-n of the prompt logprobs still to compute (a request without outputs yet); -1 = none
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
+        self.speculable = np.zeros(max_num_reqs, dtype=bool)  # may be given drafts (SamplingParams.speculable)
+        # by row: its n-gram index (draft proposals, worker_service.ngram) when speculation is on
+        # (``prompt_lookup``: the n-gram sizes) and the request is speculable, else None
+        self.prompt_lookup = prompt_lookup
+        self.ngram: list[NgramIndex | None] = [None] * max_num_reqs
         self.rows: dict[str, int] = {}  # request id -> row
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs  # by row
         # by row: ids banned while outputs < min_tokens (empty when min_tokens is 0), built in add()
@@ -122,6 +129,9 @@ class InputBatch:
         self.seed[row] = p.seed
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.speculable[row] = p.speculable
+        if self.prompt_lookup is not None and p.speculable:
+            self.ngram[row] = NgramIndex(*self.prompt_lookup, new.prompt_token_ids + new.output_token_ids)
         # A request resumed with outputs published them with its prompt logprobs: none to compute.
         self.num_prompt_logprobs[row] = (-1 if p.prompt_logprobs is None or new.output_token_ids
                                          else p.prompt_logprobs)
@@ -159,6 +169,7 @@ class InputBatch:
         row = self.rows.pop(request_id, None)
         if row is not None:
             self.sampling_params[row] = None
+            self.ngram[row] = None
             self.min_tokens_banned[row] = _NO_IDS
             if self.logit_bias[row] is not None:
                 self.logit_bias[row] = None
@@ -169,6 +180,28 @@ class InputBatch:
             if self.structured is not None:
                 self.structured.remove(row)
             heapq.heappush(self._free_rows, row)
+
+    def write_drafts(self, row: int, drafts: list[int]) -> None:
+        """Place draft tokens after ``row``'s known tokens for one step (``num_tokens`` unchanged:
+        they are inputs to verify, not tokens of the request); ValueError when the request may not
+        have drafts or they would pass ``max_model_len``."""
+        start = int(self.num_tokens[row])
+        if not self.speculable[row]:
+            raise ValueError(f"row {row}: draft tokens for a request whose sampling depends on its outputs")
+        if start + len(drafts) > self.max_model_len:
+            raise ValueError(f"row {row}: draft tokens past max_model_len ({self.max_model_len})")
+        self.token_ids[row, start:start + len(drafts)] = drafts
+
+    def append_token_runs(self, rows: np.ndarray, counts: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append ``counts[i]`` tokens to ``rows[i]``, taken in order from ``token_ids`` (a step
+        that verified drafts). Rows with drafts have no grammar: the matchers advance by one token."""
+        each = np.repeat(rows, counts)
+        within = np.arange(len(token_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.token_ids[each, self.num_tokens[each] + within] = token_ids
+        self.num_tokens[rows] += counts.astype(self.num_tokens.dtype)
+        if self.structured is not None and len(self.structured):
+            single = counts == 1
+            self.structured.accept(rows[single], token_ids[(np.cumsum(counts) - counts)[single]])
 
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one sampled token to each of ``rows`` (vectorised)."""

@@ -46,10 +46,14 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int64: last token of each sequence that samples
-    sample_req_ids: list[str]  # request id of each sampling row
-    sample_rows: np.ndarray  # [N] persistent-batch rows of the sampling requests
+    logits_indices: torch.Tensor  # [M] int64: the tokens whose logits sample (M = N + drafts)
+    sample_req_ids: list[str]  # [N] request id of each sampling request
+    sample_rows: np.ndarray  # [M] persistent-batch row of each sampling position
     prompt_logprobs: list[PromptLogprobsRows] = field(default_factory=list)  # requests that asked for them
+    # with draft tokens: [N] drafts per sampling request (it samples at 1 + that many positions,
+    # consecutive in the M rows) and [M] each position's offset after the request's known tokens
+    num_drafts: np.ndarray | None = None
+    sample_offsets: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -111,7 +115,9 @@ class ModelRunner:
         self.structured = StructuredRows(self.vocab_size, tuple(self.eos_token_ids), self._grammar_compiler)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.max_blocks_per_req,
                                 vocab_size=self.vocab_size, eos_token_ids=tuple(self.eos_token_ids),
-                                structured=self.structured)
+                                structured=self.structured,
+                                prompt_lookup=(config.prompt_lookup_min, config.prompt_lookup_max)
+                                if config.num_speculative_tokens else None)
         self.sampler = Sampler()
         ops = get_attention_ops(config.attention_backend, self.device.type)
         self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
@@ -166,8 +172,10 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if inputs.sample_req_ids:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
-            sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows))
+            sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows, inputs.sample_offsets))
             out = self._collect(inputs, sampled)
+            if self.batch.prompt_lookup is not None:
+                out.spec_token_ids = self._propose_drafts(out.sampled_token_ids)
         for rows in inputs.prompt_logprobs:
             out.prompt_logprobs[rows.request_id] = (rows.first_index, self._prompt_logprobs(hidden, rows))
         return out
@@ -214,15 +222,30 @@ class ModelRunner:
         token_seq = np.repeat(np.arange(len(rows)), counts)  # [T]
         token_rows = rows[token_seq]
         positions = np.arange(num_tokens) - query_start_loc[:-1][token_seq] + computed[token_seq]
-        if int(seq_lens.max()) > batch.max_model_len or (seq_lens > batch.num_tokens[rows]).any():
+        known = batch.num_tokens[rows].astype(np.int64)  # [S] prompt + outputs (+ drafts below)
+        num_drafts = self._place_drafts(so.scheduled_spec_decode_tokens, req_ids, rows, known) \
+            if so.scheduled_spec_decode_tokens else None
+        if int(seq_lens.max()) > batch.max_model_len or (seq_lens > known).any():
             raise ValueError("scheduler output schedules tokens past a request's known token ids")
         input_ids = batch.token_ids[token_rows, positions]
         block_ids = batch.block_table[token_rows, positions // bs].astype(np.int64)
         slot_mapping = block_ids * bs + positions % bs
         max_blocks = -(-int(seq_lens.max()) // bs)
         block_tables = batch.block_table[rows, :max_blocks]  # [S, max_blocks] int32
-        samples = seq_lens == batch.num_tokens[rows]  # [S] reaches the end of its known tokens
+        samples = seq_lens == known  # [S] reaches the end of its known tokens
         logits_indices = query_start_loc[1:][samples] - 1
+        sample_rows, offsets = rows[samples], None
+        attention = (query_start_loc, seq_lens, block_tables, int(counts.max()))
+        if num_drafts is not None:
+            if (num_drafts[~samples] > 0).any() or (num_drafts >= counts).any():
+                raise ValueError("scheduler output gives draft tokens to a request that does not decode them")
+            attention = _drafts_as_decode_rows(num_drafts, counts, computed, seq_lens, block_tables)
+            num_drafts = num_drafts[samples]
+            per = num_drafts + 1  # positions each sampling request samples at: its last token's, its drafts'
+            owner = np.repeat(np.arange(len(per)), per)  # [M]
+            offsets = np.arange(int(per.sum())) - (np.cumsum(per) - per)[owner]  # [M] 0 .. drafts
+            logits_indices = logits_indices[owner] - num_drafts[owner] + offsets
+            sample_rows = sample_rows[owner]
         prompt_logprobs = []
         for i in np.nonzero(batch.num_prompt_logprobs[rows] >= 0)[0].tolist():
             # position p's logits score prompt token p + 1: positions up to the prompt's second-to-last
@@ -234,12 +257,13 @@ class ModelRunner:
                     int(batch.num_prompt_logprobs[rows[i]])))
 
         dev = self.device
+        att_query_start_loc, att_seq_lens, att_block_tables, max_query_len = attention
         metadata = AttentionMetadata(
             slot_mapping=_to(slot_mapping, dev),
-            block_tables=_to(block_tables, dev),
-            query_start_loc=_to(query_start_loc.astype(np.int32), dev),
-            seq_lens=_to(seq_lens.astype(np.int32), dev),
-            max_query_len=int(counts.max()),
+            block_tables=_to(att_block_tables, dev),
+            query_start_loc=_to(att_query_start_loc.astype(np.int32), dev),
+            seq_lens=_to(att_seq_lens.astype(np.int32), dev),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
         )
         return StepInputs(
@@ -248,19 +272,39 @@ class ModelRunner:
             metadata=metadata,
             logits_indices=_to(logits_indices, dev),
             sample_req_ids=[rid for rid, s in zip(req_ids, samples) if s],
-            sample_rows=rows[samples],
+            sample_rows=sample_rows,
             prompt_logprobs=prompt_logprobs,
+            num_drafts=num_drafts,
+            sample_offsets=offsets,
         )
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Gather the sampling rows' settings; optional features only when some row uses them."""
+    def _place_drafts(self, spec: dict[str, list[int]], req_ids: list[str], rows: np.ndarray,
+                      known: np.ndarray) -> np.ndarray:
+        """Write each request's draft tokens after its known tokens (this step's inputs) and count
+        them into ``known``; returns [S] drafts per scheduled request."""
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        num_drafts = np.zeros(len(req_ids), dtype=np.int64)
+        for rid, drafts in spec.items():
+            i = index.get(rid)
+            if i is None:
+                raise ValueError(f"scheduler output gives draft tokens to {rid}, which it does not schedule")
+            self.batch.write_drafts(int(rows[i]), drafts)
+            num_drafts[i] = len(drafts)
+        known += num_drafts
+        return num_drafts
+
+    def _sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """Gather the sampling rows' settings; optional features only when some row uses them.
+        ``offsets``: each row's position after its request's known tokens (a row of a draft),
+        when some rows verify drafts (a request then has several rows)."""
         b, dev, vocab = self.batch, self.device, self.vocab_size
         num_prompt = b.num_prompt_tokens[rows].astype(np.int64)
         num_tokens = b.num_tokens[rows].astype(np.int64)
+        out_index = num_tokens - num_prompt if offsets is None else num_tokens - num_prompt + offsets
         meta = SamplingMetadata(
             temperature=_to(b.temperature[rows], dev),
             seeds=_to(b.seed[rows], dev),
-            positions=_to(num_tokens - num_prompt, dev),
+            positions=_to(out_index, dev),
         )
         top_k = b.top_k[rows]
         if ((top_k > 0) & (top_k < vocab)).any():
@@ -283,7 +327,7 @@ class ModelRunner:
             meta.output_token_ids = _to(np.where(in_output, tokens, vocab), dev)
         # Per-row id lists are built once at admission (a step never rebuilds them) and sent as
         # (batch row of each id, the ids), only when some sampling row has one.
-        short = np.nonzero(num_tokens - num_prompt < b.min_tokens[rows])[0]
+        short = np.nonzero(out_index < b.min_tokens[rows])[0]
         if len(short):  # before min_tokens, stop tokens (and EOS unless ignored) cannot be sampled
             banned = [(i, b.min_tokens_banned[int(rows[i])]) for i in short.tolist()]
             if any(len(ids) for _, ids in banned):
@@ -308,22 +352,84 @@ class ModelRunner:
 
     def _collect(self, inputs: StepInputs, sampled: SamplerOutput) -> ModelRunnerOutput:
         token_ids = sampled.token_ids.cpu().numpy()
-        self.batch.append_tokens(inputs.sample_rows, token_ids.astype(np.int32))
-        out = ModelRunnerOutput(
-            sampled_token_ids={rid: [int(t)] for rid, t in zip(inputs.sample_req_ids, token_ids.tolist())}
-        )
-        if sampled.logprobs is not None:
+        if inputs.num_drafts is None:
+            first = np.arange(len(token_ids))  # one sampling row per request
+            self.batch.append_tokens(inputs.sample_rows, token_ids.astype(np.int32))
+            out = ModelRunnerOutput(
+                sampled_token_ids={rid: [int(t)] for rid, t in zip(inputs.sample_req_ids, token_ids.tolist())}
+            )
+        else:
+            first, counts, kept = self._verify_drafts(inputs, token_ids)
+            self.batch.append_token_runs(inputs.sample_rows[first], counts, kept.astype(np.int32))
+            flat, ends = kept.tolist(), np.cumsum(counts).tolist()
+            out = ModelRunnerOutput(sampled_token_ids={
+                rid: flat[end - n:end] for rid, n, end in zip(inputs.sample_req_ids, counts.tolist(), ends)})
+        if sampled.logprobs is not None:  # requests with logprobs have no drafts: their one row is first[i]
             num_logprobs = self.batch.num_logprobs[inputs.sample_rows].tolist()
             logprobs = sampled.logprobs.cpu().tolist()
             top_ids = sampled.top_token_ids.cpu().tolist() if sampled.top_token_ids is not None else None
             top_lps = sampled.top_logprobs.cpu().tolist() if sampled.top_logprobs is not None else None
-            for i, rid in enumerate(inputs.sample_req_ids):
+            for rid, i in zip(inputs.sample_req_ids, first.tolist()):
                 n = num_logprobs[i]
                 if n < 0:
                     continue
                 top = list(zip(top_ids[i][:n], top_lps[i][:n])) if top_ids is not None else []
                 out.logprobs[rid] = [TokenLogprobs(int(token_ids[i]), logprobs[i], top)]
         return out
+
+    def _propose_drafts(self, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled (n-gram speculation), within
+        ``SamplingParams.max_drafts`` and ``num_speculative_tokens``; only those with a match."""
+        batch, k = self.batch, self.config.num_speculative_tokens
+        drafts: dict[str, list[int]] = {}
+        for rid, tokens in sampled.items():
+            row = batch.rows[rid]
+            index = batch.ngram[row]
+            if index is None:
+                continue
+            index.extend(tokens)
+            num_outputs = int(batch.num_tokens[row] - batch.num_prompt_tokens[row])
+            proposal = index.propose(min(k, batch.sampling_params[row].max_drafts(num_outputs)))
+            if proposal:
+                drafts[rid] = proposal
+        return drafts
+
+    def _verify_drafts(self, inputs: StepInputs, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Keep, per sampling request, the tokens sampled at its positions up to and including the
+        first that differs from the draft in its input there (all of them when every draft
+        matched): what sampling one position at a time would have produced, since a position's
+        token depends only on its logits and its position. Returns ([N] each request's first row,
+        [N] tokens kept, the kept tokens in order)."""
+        per = inputs.num_drafts + 1
+        first = np.cumsum(per) - per  # [N]
+        offsets = inputs.sample_offsets  # [M]
+        rows = inputs.sample_rows
+        drafts = self.batch.token_ids[rows, self.batch.num_tokens[rows] + offsets]  # [M] the input after each
+        owner = np.repeat(np.arange(len(per)), per)
+        ends_here = (token_ids != drafts) | (offsets == inputs.num_drafts[owner])  # a miss, or the last row
+        stop = np.minimum.reduceat(np.where(ends_here, offsets, np.iinfo(np.int64).max), first)  # [N]
+        kept = offsets <= stop[owner]
+        return first, stop + 1, token_ids[kept]
+
+
+def _drafts_as_decode_rows(num_drafts: np.ndarray, counts: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
+                           block_tables: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The attention's view of a step with draft tokens: each request with drafts as ``1 + k``
+    sequences of one query token each (its last token, then each draft, over its causal prefix,
+    the same block table), the others as scheduled. Every backend then computes a draft's position
+    exactly as a decode step would compute that token alone, so verifying drafts samples what
+    one-token steps sample (fp32: bit for bit), and the CPU kernel reads such a request's K/V once
+    for all its rows (rows sharing a first block form one work item). Returns (query_start_loc,
+    seq_lens, block_tables, max_query_len) over those sequences; the tokens keep their order."""
+    split = num_drafts > 0  # [S]
+    pieces = np.where(split, counts, 1)  # [S] attention sequences each request becomes
+    owner = np.repeat(np.arange(len(counts)), pieces)  # [S'] the request of each
+    within = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # [S'] 0 .. k for split ones
+    query_lens = np.where(split[owner], 1, counts[owner])
+    query_start_loc = np.zeros(len(owner) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    lens = np.where(split[owner], computed[owner] + within + 1, seq_lens[owner])
+    return query_start_loc, lens, block_tables[owner], int(query_lens.max())
 
 
 def _per_row(lists: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

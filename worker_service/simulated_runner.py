@@ -78,14 +78,23 @@ class SimulatedRunner:
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         sampled: dict[str, list[int]] = {}
+        spec = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             total = self._num_tokens[rid]
-            if computed[rid] + n > total:  # as the real runner: a plan past the known tokens is a bug
+            drafts = spec.get(rid, ())
+            if computed[rid] + n > total + len(drafts):  # as the real runner: a plan past the known tokens is a bug
                 raise ValueError(f"scheduler output schedules tokens past the known token ids of {rid}")
-            if computed[rid] + n == total:
+            if computed[rid] + n == total + len(drafts):
+                # as the real runner verifies drafts: the tokens up to the first that differs from its draft
                 position = total - self._num_prompt[rid]
-                sampled[rid] = [simulated_token(self._seed[rid], position, self.info.vocab_size, self._eos)]
-                self._num_tokens[rid] = total + 1
+                tokens = [simulated_token(self._seed[rid], position, self.info.vocab_size, self._eos)]
+                for draft in drafts:
+                    if tokens[-1] != draft:
+                        break
+                    tokens.append(simulated_token(self._seed[rid], position + len(tokens), self.info.vocab_size,
+                                                  self._eos))
+                sampled[rid] = tokens
+                self._num_tokens[rid] = total + len(tokens)
         if so.total_num_scheduled_tokens:
             a, b = self.step_latency
             self._sleep(a + b * so.total_num_scheduled_tokens)

@@ -172,3 +172,36 @@ def test_cpu_kv_cache_is_head_major_memory_behind_the_logical_layout(hf):
     assert key_cache.shape == (50, 8, 2, 16)  # [num_blocks, block_size, num_kv_heads, head_dim]
     assert key_cache.permute(2, 0, 1, 3).is_contiguous()  # memory: [num_kv_heads, num_blocks, ...]
     assert int(key_cache.abs().sum()) == 0 and int(value_cache.abs().sum()) == 0
+
+
+def test_drafts_are_verified_as_one_token_steps_would_sample(hf):
+    prompt = random_prompts([9], seed=6)[0]
+    expected = hf_greedy(hf, prompt, 6)
+    for drafts, kept in [(expected[1:4], expected[1:5]),  # all right: the three and the token after them
+                         ([expected[1], 0, expected[3]], expected[1:3]),  # the second wrong: up to its correction
+                         ([0, 1], expected[1:2])]:  # the first wrong: one token, as without drafts
+        runner = make_runner(hf)
+        first = runner.execute_model(step([new_req("a", prompt, [1, 2, 3])], num_scheduled={"a": 9}))
+        assert first.sampled_token_ids["a"] == expected[:1]
+        plan = step(cached=[("a", [], 9)], num_scheduled={"a": 1 + len(drafts)})
+        plan.scheduled_spec_decode_tokens = {"a": list(drafts)}
+        out = runner.execute_model(plan)
+        assert out.sampled_token_ids["a"] == kept
+        # the worker's copy holds the kept tokens: the next step continues after them
+        plan = step(cached=[("a", [], 9 + len(kept))], num_scheduled={"a": 1})
+        assert runner.execute_model(plan).sampled_token_ids["a"] == expected[1 + len(kept):2 + len(kept)]
+
+
+def test_drafts_a_worker_cannot_verify_are_refused(hf):
+    runner = make_runner(hf)
+    prompt = random_prompts([9], seed=6)[0]
+    runner.execute_model(step([new_req("a", prompt, [1, 2, 3]), new_req("p", prompt, [4, 5, 6], presence_penalty=1.0)],
+                              num_scheduled={"a": 9, "p": 9}))
+    for plan, drafts, match in [
+        (step(cached=[("p", [], 9)], num_scheduled={"p": 2}), {"p": [5]}, "depends on its outputs"),
+        (step(cached=[("a", [], 9)], num_scheduled={"a": 2}), {"b": [5]}, "does not schedule"),
+        (step(cached=[("a", [], 8)], num_scheduled={"a": 2}), {"a": [5]}, "does not decode them"),
+    ]:
+        plan.scheduled_spec_decode_tokens = drafts
+        with pytest.raises(ValueError, match=match):
+            runner.execute_model(plan)
