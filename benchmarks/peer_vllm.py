@@ -243,9 +243,12 @@ SERVED_KEYS = ("completed", "duration", "output_throughput", "request_throughput
 
 def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, max_num_batched_tokens: int,
                    dtype: str, kv_cache_bytes: int, threads: int, out: Path, tag: str = "",
+                   num_speculative_tokens: int | None = None, vllm_ngram: bool = False,
                    vllm_dir: Path = DEFAULT_DIR) -> dict[str, Any]:
     """``vllm serve`` and ``pagedserve serve`` one after the other, each driven by ``vllm bench serve
-    bench_args`` (the same arguments); both results side by side, with the ratios, JSON + PNG."""
+    bench_args`` (the same arguments); both results side by side, with the ratios, JSON + PNG.
+    ``num_speculative_tokens``: pagedserve's draft tokens (None: its default); ``vllm_ngram``: vLLM
+    with its own n-gram speculation, at pagedserve's draft settings."""
     from pagedserve.launcher import Stack, StackConfig, free_port
     from servicekit.flags import settings_argv
 
@@ -259,9 +262,20 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
                               "prefix_caching": True, "chunked_prefill": True},
                      "vllm": {}, "pagedserve": {}},
     }
+    http_port = free_port()
+    stack_config = StackConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv,
+                               port=free_port(), http_port=http_port, scheduler_port=free_port(),
+                               worker_port=free_port(), log_level="WARNING",
+                               **({} if num_speculative_tokens is None
+                                  else {"num_speculative_tokens": num_speculative_tokens}))
+    drafts = {"num_speculative_tokens": stack_config.num_speculative_tokens,
+              "prompt_lookup_min": stack_config.prompt_lookup_min, "prompt_lookup_max": stack_config.prompt_lookup_max}
     port = free_port()
     vllm_args = ["--dtype", dtype, "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens",
                  str(max_num_batched_tokens), "--enable-prefix-caching", "--seed", "0"]
+    if vllm_ngram:
+        vllm_args += ["--speculative-config", json.dumps({"method": "ngram", **drafts})]
     with VllmServer(model, port, vllm_args, kv_cache_bytes=kv_cache_bytes, threads=threads,
                     vllm_dir=vllm_dir) as server:
         result["settings"]["vllm"] = {"command": " ".join(server.command[2:]), "env": settings(server.env),
@@ -269,17 +283,13 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
         result["vllm"] = bench_serve(f"http://127.0.0.1:{port}", model, str(folder), bench_args,
                                      out / f"serve-vllm-bench{tag}-vllm.json", vllm_dir=vllm_dir)
     result["vllm"]["peak_rss_bytes"] = server.peak_rss_bytes
-    http_port = free_port()
-    stack_config = StackConfig(model=model, dtype=dtype, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv,
-                               port=free_port(), http_port=http_port, scheduler_port=free_port(),
-                               worker_port=free_port(), log_level="WARNING")
     stack = Stack(stack_config)
     t0 = time.monotonic()
     try:
         stack.start()
         result["settings"]["pagedserve"] = {"start_s": round(time.monotonic() - t0, 1),
-                                            "command": "pagedserve serve " + " ".join(settings_argv(stack_config))}
+                                            "command": "pagedserve serve " + " ".join(settings_argv(stack_config)),
+                                            "n-gram speculation": drafts}
         result["pagedserve"] = bench_serve(f"http://127.0.0.1:{http_port}", model, str(folder), bench_args,
                                            out / f"serve-vllm-bench{tag}-pagedserve.json", vllm_dir=vllm_dir)
     finally:

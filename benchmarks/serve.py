@@ -338,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="start vLLM's CPU backend (`vllm serve`, make peer-vllm) and then `pagedserve serve`, and "
                             "drive each with vLLM's own `vllm bench serve` and the arguments after `--` (the same for "
                             "both); results side by side")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="--peer vllm: pagedserve's draft tokens per step (n-gram speculation; default: its own, "
+                             "0: off)")
+    parser.add_argument("--vllm-ngram", action="store_true",
+                        help="--peer vllm: run vllm serve with its own n-gram speculation at pagedserve's draft "
+                             "settings (--speculative-config)")
     parser.add_argument("--backend", choices=("grpc", "openai", "both"), default="grpc",
                         help="gRPC SDK, the OpenAI HTTP API through the openai client, or both in turn")
     parser.add_argument("--model", default="smollm2-135m")
@@ -526,7 +532,8 @@ def serve_vs_peer(args: argparse.Namespace, bench_args: list[str]) -> int:
         args.model, bench_args, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
         dtype=choose_dtype("auto", torch.device("cpu")).name,
         kv_cache_bytes=parse_memory(args.kv_cache_memory or "1GiB"), threads=threads, out=args.out,
-        tag=f"-{args.tag}" if args.tag else "")
+        tag=f"-{args.tag}" if args.tag else "", num_speculative_tokens=args.num_speculative_tokens,
+        vllm_ngram=args.vllm_ngram)
     for name in ("pagedserve", "vllm"):
         r = result[name]
         print(f"{name:10s} {r['output_throughput']:8.1f} output tok/s  TTFT median {r['median_ttft_ms']:8.1f} ms "

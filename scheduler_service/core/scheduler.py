@@ -432,10 +432,12 @@ class Scheduler:
             for request, status in finished:
                 self._finish(request, status)
             self.running = [r for r in self.running if r.status is _RUNNING]
+        planned = scheduler_output.num_scheduled_tokens
         for rid, drafts in model_runner_output.spec_token_ids.items():
-            # the worker's drafts for the next step of a request that goes on, within what it may take
+            # the worker's drafts for the next step of a request that sampled here and goes on,
+            # within what it may take
             request = requests.get(rid)
-            if request is None or request.status is not _RUNNING or rid not in sampled:
+            if request is None or request.status is not _RUNNING or rid not in sampled or rid not in planned:
                 continue
             drafts = drafts[:request.sampling_params.max_drafts(request.num_output_tokens)]
             if drafts:
