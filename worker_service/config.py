@@ -84,7 +84,8 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
         3, minimum=0, maximum=16,
         help="draft tokens proposed per decoding request and step by prompt lookup (n-gram speculation: the "
              "tokens that followed the latest earlier occurrence of its last tokens), verified in its next "
-             "step; outputs are unchanged, a wrong guess costs compute only (0: off)")
+             "step; outputs are what one-token steps give (fp32: bit for bit; bf16: within its usual batch "
+             "variance), a wrong guess costs compute only (0: off)")
     prompt_lookup_min: int = setting(2, minimum=1, maximum=16, help="shortest suffix n-gram prompt lookup matches")
     prompt_lookup_max: int = setting(3, minimum=1, maximum=16,
                                      help="longest suffix n-gram prompt lookup matches (the longest that occurred "

@@ -190,6 +190,8 @@ class InputBatch:
             raise ValueError(f"row {row}: draft tokens for a request whose sampling depends on its outputs")
         if start + len(drafts) > self.max_model_len:
             raise ValueError(f"row {row}: draft tokens past max_model_len ({self.max_model_len})")
+        if not all(0 <= t < self.vocab_size for t in drafts):
+            raise ValueError(f"row {row}: draft token ids outside the vocabulary ({self.vocab_size})")
         self.token_ids[row, start:start + len(drafts)] = drafts
 
     def append_token_runs(self, rows: np.ndarray, counts: np.ndarray, token_ids: np.ndarray) -> None:

@@ -171,7 +171,7 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, D]
         out = ModelRunnerOutput()
         if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [N, V] fp32
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [M, V] fp32
             sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows, inputs.sample_offsets))
             out = self._collect(inputs, sampled)
             if self.batch.prompt_lookup is not None:

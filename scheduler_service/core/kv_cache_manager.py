@@ -16,7 +16,8 @@ class KVCacheManager:
     Invariants:
     - A request's block table is append-only from its first allocation until ``free`` (the worker
       relies on it: a step only sends the new block ids).
-    - A request holds exactly ``cdiv(tokens scheduled so far, block_size)`` blocks.
+    - A request holds ``cdiv(tokens scheduled so far, block_size)`` blocks; after draft tokens it did
+      not keep (n-gram speculation), possibly more: those blocks are filled by its next tokens.
     - A full block enters the prefix cache when it is allocated for the tokens that fill it (as in
       vLLM), not after the step that computes it: a request admitted in the same step may then point
       at blocks another request of that step fills. That is sound because a worker writes the K/V of
@@ -103,11 +104,15 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
-    def allocate_decode_slots(self, requests: Sequence[Request], with_drafts: bool = False) -> list[list[int]]:
+    def allocate_decode_slots(self, requests: Sequence[Request], with_drafts: bool = False,
+                              draft_reserve: int = 0) -> list[list[int]]:
         """``allocate_slots(request, 1)`` for each of the leading run of ``requests`` that are
-        decoding (one token left to compute, their block table held) and that the pool can serve
-        (``with_drafts``: ``1 + len(request.spec_token_ids)``, its draft tokens computed with it): the hot
-        path of a decoding batch, where the last block usually has room and no block fills. Returns
+        decoding (one token left to compute, their block table held) and that the pool can serve:
+        the hot path of a decoding batch, where the last block usually has room and no block fills.
+        ``with_drafts``: room for ``request.spec_token_ids`` too, computed with its token, unless
+        they need blocks of their own and fewer than ``draft_reserve`` free blocks would be left
+        then (drafts never take the block another request's next token needs: their
+        ``spec_token_ids`` are emptied instead). Returns
         the ids of the blocks each got (the shared ``NO_BLOCK_IDS`` when none: do not mutate it), as
         long as that run: the first request not decoding, or not served, and those after it got
         nothing."""
@@ -120,9 +125,14 @@ class KVCacheManager:
             num_required_tokens = request.num_computed_tokens + 1
             if len(request.all_token_ids) != num_required_tokens:
                 break  # not decoding
-            if with_drafts:
-                num_required_tokens += len(request.spec_token_ids)
             rid = request.request_id
+            if with_drafts and request.spec_token_ids:
+                with_them = num_required_tokens + len(request.spec_token_ids)
+                extra = -(-with_them // bs) - max(len(tables[rid]), -(-num_required_tokens // bs))
+                if extra > 0 and self.block_pool.free_block_queue.num_free_blocks - extra < draft_reserve:
+                    request.spec_token_ids = []
+                else:
+                    num_required_tokens = with_them
             if num_required_tokens > len(tables[rid]) * bs:
                 new_blocks = self.allocate_slots(request, num_required_tokens - request.num_computed_tokens)
                 if new_blocks is None:

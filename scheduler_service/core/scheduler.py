@@ -172,18 +172,16 @@ class Scheduler:
             seat_victim = running.pop(victim_index)
             self._preempt(seat_victim)
         due, reserve = self._fair_reserve(threshold, budget) if cfg.policy == "fair" else (None, 0)
-        drafted, self._drafted = self._drafted, {}
-        if drafted and len(running) + sum(len(r.spec_token_ids) for r in drafted.values()) > budget:
-            for request in drafted.values():  # the step is full without them (rare: 2,048 tokens a step)
-                request.spec_token_ids = []
-            drafted = {}
+        drafted = self._drafts_that_fit(budget, threshold, reserve)
         spec_tokens: dict[str, list[int]] = {}
         others = cfg.shared_prefill_token_threshold or budget  # with ``due``: prefill tokens for the others
 
         # Phase 1: the running batch. First the leading run of decoding requests (the hot path of a
-        # decoding batch: one token each, usually room in the last block), then the rest one by one.
+        # decoding batch: one token each and their drafts, usually room in the last block), then the
+        # rest one by one.
         decode_slots = kv.allocate_decode_slots
-        new_block_ids = decode_slots(running if len(running) <= budget else running[:budget], bool(drafted))
+        new_block_ids = decode_slots(running if len(running) <= budget else running[:budget], bool(drafted),
+                                     len(running))
         i = len(new_block_ids)
         if i:
             decoding = running[:i] if i < len(running) else running
@@ -193,24 +191,18 @@ class Scheduler:
             budget -= i
             for rid, request in drafted.items():
                 if rid in num_scheduled:
-                    drafts = request.spec_token_ids
-                    num_scheduled[rid] += len(drafts)
-                    budget -= len(drafts)
-                    spec_tokens[rid] = drafts
+                    budget -= self._schedule_drafts(request, num_scheduled, spec_tokens)
         while i < len(running) and budget > 0:
             request = running[i]
             n = len(request.all_token_ids) - request.num_computed_tokens
             if n == 1:  # decoding: no cap applies; usually its last block has room
-                drafts = request.spec_token_ids
-                if drafts and (len(drafts) >= budget or request.request_id not in drafted):
-                    request.spec_token_ids = drafts = []  # no room for them (or stale)
-                served = decode_slots((request,), bool(drafts))
+                if request.spec_token_ids and len(request.spec_token_ids) >= budget:
+                    request.spec_token_ids = []  # no room for them
+                served = decode_slots((request,), bool(request.spec_token_ids), len(running))
                 if served:
                     rid = request.request_id
-                    num_scheduled[rid] = 1 + len(drafts)
-                    budget -= 1 + len(drafts)
-                    if drafts:
-                        spec_tokens[rid] = drafts
+                    num_scheduled[rid] = 1
+                    budget -= 1 + self._schedule_drafts(request, num_scheduled, spec_tokens)
                     cached_reqs.append(rid, served[0], request.num_computed_tokens)
                     i += 1
                     continue
@@ -445,6 +437,34 @@ class Scheduler:
                 drafted[rid] = request
         return outputs
 
+    def _drafts_that_fit(self, budget: int, threshold: int, reserve: int) -> dict[str, Request]:
+        """The requests whose draft tokens (taken by the last ``update_from_output``) this step may
+        compute, by id: all of them, or none when they would take tokens the step needs for the
+        running requests' next tokens and the waiting head's first chunk (or the fair policy's
+        reserve). Drafts are a gain, never a cost to other work."""
+        drafted, self._drafted = self._drafted, {}
+        if not drafted:
+            return drafted
+        needed = len(self.running)
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            head = self.waiting.peek()
+            needed += max(reserve, min(head.num_tokens, threshold or budget))
+        if needed + sum(len(r.spec_token_ids) for r in drafted.values()) > budget:
+            for request in drafted.values():
+                request.spec_token_ids = []
+            return {}
+        return drafted
+
+    @staticmethod
+    def _schedule_drafts(request: Request, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> int:
+        """Add ``request``'s draft tokens (if it still has any) to its place in the step being
+        planned; returns how many."""
+        drafts = request.spec_token_ids
+        if drafts:
+            num_scheduled[request.request_id] += len(drafts)
+            spec_tokens[request.request_id] = drafts
+        return len(drafts)
+
     def take_tenant_usage(self) -> dict[str, list[int]]:
         """Prompt and output tokens of the requests finished (aborted ones included) since the
         last call, per tenant: ``{tenant: [prompt, output]}``; then start over. Counted once, at
@@ -556,6 +576,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and free its blocks; the caller removes it from its queue/list."""
         request.status = status
+        if request.spec_token_ids:
+            request.spec_token_ids = []
+            self._drafted.pop(request.request_id, None)
         usage = self.tenant_usage.get(request.tenant)
         if usage is None:
             usage = self.tenant_usage[request.tenant] = [0, 0]

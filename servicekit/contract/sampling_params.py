@@ -120,7 +120,7 @@ class SamplingParams:
         its token at an output position depends only on the logits there and the position (seed,
         temperature and filters, bias, allowed ids), not on the outputs before it (penalties, a
         grammar), and it asks for no per-token logprobs. ``min_tokens`` bans depend on the position
-        too: the scheduler proposes drafts only once they are past."""
+        too: drafts come only once they are past (:meth:`max_drafts`)."""
         return (self.structured_output is None and self.logprobs is None and self.repetition_penalty == 1.0
                 and not self.presence_penalty and not self.frequency_penalty)
 

@@ -27,7 +27,9 @@ Invariants a worker may rely on:
   from its draft (all ``k + 1`` when every draft matched). The scheduler then takes the rejected
   drafts' positions back from ``num_computed_tokens``; their KV slots are rewritten by later steps.
   Only requests whose next token depends on nothing but the logits and the position get drafts
-  (``SamplingParams.speculable``), so verification is exact, sampled requests included. A worker
+  (``SamplingParams.speculable``), so verification samples what one-token steps sample, sampled
+  requests included (fp32: bit for bit; bf16 results vary with a batch's shapes, as they always do,
+  and a request's rows over its own prefix may run on AMX tiles: within bf16 rounding). A worker
   proposes drafts with a step's answer (``ModelRunnerOutput.spec_token_ids``); the scheduler
   schedules them, within ``SamplingParams.max_drafts``, in the request's next step or not at all.
 """

@@ -90,9 +90,14 @@ def _drafts_to_pb(drafts: dict[str, list[int]], msg: worker_pb2.DraftTokens) -> 
 
 
 def _drafts_from_pb(msg: worker_pb2.DraftTokens) -> dict[str, list[int]]:
-    if not msg.request_ids:
+    """The draft columns as {request id: drafts}; ValueError when they do not add up, a request
+    appears twice or has none."""
+    if not msg.request_ids and not msg.token_ids and not msg.num_token_ids:
         return {}
-    return dict(zip(msg.request_ids, _runs(msg.token_ids, msg.num_token_ids, len(msg.request_ids), "draft token")))
+    drafts = dict(zip(msg.request_ids, _runs(msg.token_ids, msg.num_token_ids, len(msg.request_ids), "draft token")))
+    if len(drafts) != len(msg.request_ids) or not all(msg.num_token_ids):
+        raise ValueError("a step's draft tokens name a request twice or give one none")
+    return drafts
 
 
 def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:

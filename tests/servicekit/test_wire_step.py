@@ -103,3 +103,18 @@ def test_draft_tokens_go_as_columns_and_come_back():
     msg.scheduled_spec_decode_tokens.token_ids.append(1)  # a draft no count covers
     with pytest.raises(ValueError, match="draft token counts"):
         step.scheduler_output_from_pb(msg)
+
+
+def test_draft_columns_that_name_a_request_twice_or_give_none_are_refused():
+    so = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [[]], [10]), num_scheduled_tokens={"a": 3},
+                         total_num_scheduled_tokens=3, scheduled_spec_decode_tokens={"a": [5, 6]})
+    twice = step.scheduler_output_to_pb(so, 1)
+    twice.scheduled_spec_decode_tokens.request_ids.append("a")
+    twice.scheduled_spec_decode_tokens.num_token_ids.append(1)
+    twice.scheduled_spec_decode_tokens.token_ids.append(7)
+    none = step.scheduler_output_to_pb(so, 1)
+    none.scheduled_spec_decode_tokens.request_ids.append("b")
+    none.scheduled_spec_decode_tokens.num_token_ids.append(0)
+    for msg in (twice, none):
+        with pytest.raises(ValueError, match="twice or give one none"):
+            step.scheduler_output_from_pb(msg)

@@ -201,6 +201,7 @@ def test_drafts_a_worker_cannot_verify_are_refused(hf):
         (step(cached=[("p", [], 9)], num_scheduled={"p": 2}), {"p": [5]}, "depends on its outputs"),
         (step(cached=[("a", [], 9)], num_scheduled={"a": 2}), {"b": [5]}, "does not schedule"),
         (step(cached=[("a", [], 8)], num_scheduled={"a": 2}), {"a": [5]}, "does not decode them"),
+        (step(cached=[("a", [], 9)], num_scheduled={"a": 2}), {"a": [10**6]}, "outside the vocabulary"),
     ]:
         plan.scheduled_spec_decode_tokens = drafts
         with pytest.raises(ValueError, match=match):

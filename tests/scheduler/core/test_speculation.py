@@ -43,7 +43,7 @@ def test_every_token_is_what_one_token_steps_give_with_fewer_steps():
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         for rid, drafts in out.scheduled_spec_decode_tokens.items():
             assert 1 <= len(drafts) <= 3 and out.num_scheduled_tokens[rid] == 1 + len(drafts)
-    assert len(runs[3]) < 0.7 * len(runs[0])  # simulate() checked every token of both runs
+    assert len(runs[3]) < 0.85 * len(runs[0])  # simulate() checked every token of both runs
 
 
 @pytest.mark.parametrize("config", [dict(), dict(policy="priority", long_prefill_token_threshold=16),
@@ -160,3 +160,43 @@ def test_max_drafts_is_the_one_rule():
     assert SamplingParams(logit_bias={5: 1.0}).speculable
     assert not SamplingParams(logprobs=0).speculable
     assert not SamplingParams(repetition_penalty=1.1).max_drafts(0)
+
+
+def test_drafts_never_take_a_block_another_request_needs():
+    # 4-token blocks, 4 usable: two requests of 3 prompt tokens each take a block apiece; after their
+    # first token each has a full block and needs a second for its next token: 2 free blocks, 2 needed
+    s = make_scheduler(num_blocks=5)
+    requests = [make_request(prompt_token_ids=[5, 6, 5], max_tokens=10, ignore_eos=True) for _ in range(2)]
+    for r in requests:
+        s.add_request(r)
+    out = s.schedule()
+    ids = [r.request_id for r in requests]
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [6] for rid in ids},
+                                                spec_token_ids={rid: [5, 6, 5, 6, 5] for rid in ids}))
+    plan = s.schedule()
+    assert not plan.preempted_req_ids and plan.num_scheduled_tokens == dict.fromkeys(ids, 1)
+    assert plan.scheduled_spec_decode_tokens == {}  # their drafts would need blocks of their own
+
+
+def test_drafts_leave_the_budget_of_the_waiting_head_alone():
+    s = make_scheduler(max_num_batched_tokens=12)
+    first = make_request(prompt_token_ids=[5, 6, 5], max_tokens=10, ignore_eos=True)
+    s.add_request(first)
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={first.request_id: [6]},
+                                                spec_token_ids={first.request_id: [5, 6, 5]}))
+    s.add_request(make_request(10, max_tokens=4))  # its 10 tokens and the decode's 1 leave 1 of 12
+    plan = s.schedule()
+    assert plan.scheduled_spec_decode_tokens == {}
+    assert sorted(plan.num_scheduled_tokens.values()) == [1, 10]
+
+
+def test_an_aborted_request_leaves_no_drafts_behind():
+    s = make_scheduler()
+    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=10, ignore_eos=True)
+    rid = request.request_id
+    s.add_request(request)
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids={rid: [5, 6]}))
+    s.abort([rid])
+    assert request.spec_token_ids == [] and not s._drafted
+    assert s.schedule().scheduled_spec_decode_tokens == {}
