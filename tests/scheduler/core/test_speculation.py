@@ -127,15 +127,21 @@ def test_tokens_after_a_stop_among_the_drafts_are_dropped():
     assert s.kv_cache_manager.get_num_free_blocks() == s.kv_cache_manager.num_total_blocks
 
 
-def test_drafts_that_do_not_fit_the_budget_are_dropped_not_the_requests():
-    s = make_scheduler(max_num_batched_tokens=6)
+def two_decoding_with_drafts(s, drafts: list[int]) -> list[str]:
+    """Two 3-token prompts prefilled in one step, each given ``drafts``; their ids."""
     requests = [make_request(prompt_token_ids=[5, 6, 5], max_tokens=10, ignore_eos=True) for _ in range(2)]
     for r in requests:
         s.add_request(r)
     out = s.schedule()
     ids = [r.request_id for r in requests]
     s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [6] for rid in ids},
-                                                spec_token_ids={rid: [7, 5, 6] for rid in ids}))
+                                                spec_token_ids={rid: list(drafts) for rid in ids}))
+    return ids
+
+
+def test_drafts_that_do_not_fit_the_budget_are_dropped_not_the_requests():
+    s = make_scheduler(max_num_batched_tokens=6)
+    ids = two_decoding_with_drafts(s, [7, 5, 6])
     plan = s.schedule()  # 2 + 6 drafts > 6: the step goes without drafts
     assert plan.scheduled_spec_decode_tokens == {} and plan.num_scheduled_tokens == dict.fromkeys(ids, 1)
 
@@ -166,13 +172,7 @@ def test_drafts_never_take_a_block_another_request_needs():
     # 4-token blocks, 4 usable: two requests of 3 prompt tokens each take a block apiece; after their
     # first token each has a full block and needs a second for its next token: 2 free blocks, 2 needed
     s = make_scheduler(num_blocks=5)
-    requests = [make_request(prompt_token_ids=[5, 6, 5], max_tokens=10, ignore_eos=True) for _ in range(2)]
-    for r in requests:
-        s.add_request(r)
-    out = s.schedule()
-    ids = [r.request_id for r in requests]
-    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={rid: [6] for rid in ids},
-                                                spec_token_ids={rid: [5, 6, 5, 6, 5] for rid in ids}))
+    ids = two_decoding_with_drafts(s, [5, 6, 5, 6, 5])
     plan = s.schedule()
     assert not plan.preempted_req_ids and plan.num_scheduled_tokens == dict.fromkeys(ids, 1)
     assert plan.scheduled_spec_decode_tokens == {}  # their drafts would need blocks of their own
