@@ -29,6 +29,14 @@ from worker_service.structured_output import StructuredRows
 _NO_IDS = np.zeros(0, dtype=np.int64)
 
 
+def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Items laid out as consecutive runs of ``counts[i]`` (a step's tokens by sequence, sampling
+    positions by request): each item's run and its place in that run (0 .. ``counts[i] - 1``),
+    both ``[sum(counts)]`` int64."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return owner, np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner]
+
+
 def min_tokens_banned_ids(params: SamplingParams, eos_token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
     """The ids a request may not sample before ``min_tokens`` outputs: its stop token ids and, unless
     ``ignore_eos``, the model's EOS ids; those inside the vocabulary, unique, ascending (int64)."""
@@ -69,7 +77,8 @@ class InputBatch:
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.speculable = np.zeros(max_num_reqs, dtype=bool)  # may be given drafts (SamplingParams.speculable)
         # by row: its n-gram index (draft proposals, worker_service.ngram) when speculation is on
-        # (``prompt_lookup``: the n-gram sizes) and the request is speculable, else None
+        # (``prompt_lookup``: the n-gram sizes) and the request is speculable, else None; built from
+        # the row's tokens here, then given each step's sampled tokens by the runner's proposal
         self.prompt_lookup = prompt_lookup
         self.ngram: list[NgramIndex | None] = [None] * max_num_reqs
         self.rows: dict[str, int] = {}  # request id -> row
@@ -197,8 +206,8 @@ class InputBatch:
     def append_token_runs(self, rows: np.ndarray, counts: np.ndarray, token_ids: np.ndarray) -> None:
         """Append ``counts[i]`` tokens to ``rows[i]``, taken in order from ``token_ids`` (a step
         that verified drafts). Rows with drafts have no grammar: the matchers advance by one token."""
-        each = np.repeat(rows, counts)
-        within = np.arange(len(token_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner, within = ragged(counts)
+        each = rows[owner]
         self.token_ids[each, self.num_tokens[each] + within] = token_ids
         self.num_tokens[rows] += counts.astype(self.num_tokens.dtype)
         if self.structured is not None and len(self.structured):

@@ -28,7 +28,7 @@ from servicekit.grammar import GrammarCompiler
 from servicekit.model_registry import resolve_model
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
-from worker_service.input_batch import InputBatch
+from worker_service.input_batch import InputBatch, ragged
 from worker_service.kv_cache import allocate_kv_caches, determine_num_blocks
 from worker_service.loader import LoadedModel, load_model
 from worker_service.models import cpu_gemm
@@ -217,11 +217,10 @@ class ModelRunner:
         seq_lens = computed + counts  # [S]
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
         # per token: its sequence, its row in the persistent batch, its position in that sequence
-        token_seq = np.repeat(np.arange(len(rows)), counts)  # [T]
+        token_seq, within = ragged(counts)  # [T], [T]
         token_rows = rows[token_seq]
-        positions = np.arange(num_tokens) - query_start_loc[:-1][token_seq] + computed[token_seq]
+        positions = computed[token_seq] + within
         known = batch.num_tokens[rows].astype(np.int64)  # [S] prompt + outputs (+ drafts below)
         num_drafts = self._place_drafts(so.scheduled_spec_decode_tokens, req_ids, rows, known) \
             if so.scheduled_spec_decode_tokens else None
@@ -242,8 +241,7 @@ class ModelRunner:
             attention = _drafts_as_decode_rows(num_drafts, counts, computed, seq_lens, block_tables)
             num_drafts = num_drafts[samples]
             per = num_drafts + 1  # positions each sampling request samples at: its last token's, its drafts'
-            owner = np.repeat(np.arange(len(per)), per)  # [M]
-            offsets = np.arange(int(per.sum())) - (np.cumsum(per) - per)[owner]  # [M] 0 .. drafts
+            owner, offsets = ragged(per)  # [M], [M] 0 .. drafts
             logits_indices = logits_indices[owner] - num_drafts[owner] + offsets
             sample_rows = sample_rows[owner]
         prompt_logprobs = []
@@ -300,7 +298,7 @@ class ModelRunner:
         b, dev, vocab = self.batch, self.device, self.vocab_size
         num_prompt = b.num_prompt_tokens[rows].astype(np.int64)
         num_tokens = b.num_tokens[rows].astype(np.int64)
-        out_index = num_tokens - num_prompt if offsets is None else num_tokens - num_prompt + offsets
+        out_index = num_tokens - num_prompt if offsets is None else num_tokens - num_prompt + offsets  # [M]
         meta = SamplingMetadata(
             temperature=_to(b.temperature[rows], dev),
             seeds=_to(b.seed[rows], dev),
@@ -405,7 +403,7 @@ class ModelRunner:
         offsets = inputs.sample_offsets  # [M]
         rows = inputs.sample_rows
         drafts = self.batch.token_ids[rows, self.batch.num_tokens[rows] + offsets]  # [M] the input after each
-        owner = np.repeat(np.arange(len(per)), per)
+        owner, _ = ragged(per)
         ends_here = (token_ids != drafts) | (offsets == inputs.num_drafts[owner])  # a miss, or the last row
         stop = np.minimum.reduceat(np.where(ends_here, offsets, np.iinfo(np.int64).max), first)  # [N]
         kept = offsets <= stop[owner]
@@ -423,8 +421,7 @@ def _drafts_as_decode_rows(num_drafts: np.ndarray, counts: np.ndarray, computed:
     seq_lens, block_tables, max_query_len) over those sequences; the tokens keep their order."""
     split = num_drafts > 0  # [S]
     pieces = np.where(split, counts, 1)  # [S] attention sequences each request becomes
-    owner = np.repeat(np.arange(len(counts)), pieces)  # [S'] the request of each
-    within = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # [S'] 0 .. k for split ones
+    owner, within = ragged(pieces)  # [S'] the request of each, 0 .. k for split ones
     query_lens = np.where(split[owner], 1, counts[owner])
     query_start_loc = np.zeros(len(owner) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
