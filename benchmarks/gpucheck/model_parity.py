@@ -4,8 +4,11 @@ The tiny random Llama and Qwen2 of the engine tests (``tests/worker/factories.py
 ``pagedserve.LLM`` must give transformers' ``generate(do_sample=False)`` tokens exactly — all
 prompts in one batch, with prefill chunked, and with a KV cache too small for all requests at once
 (preemption by recompute); the prompt logprobs of chunked prompts against transformers'
-log-softmax. Then bf16: how far the engine's bf16 tokens follow its fp32 tokens (greedy paths of a
-random model part at near-ties, so this is reported, with a loose floor).
+log-softmax. Then bf16, judged on fp32's path: the fp32 prompts plus fp32's greedy tokens are fed
+to the bf16 engine as prompts (teacher forcing), and at each generated position fp32's token must be
+bf16's first choice in most positions and never below its third. A free-running greedy path of a
+random model parts from fp32's at its first near-tie and never returns, so how long the free paths
+agree is reported, not judged (0.47-0.63 on an H100 and on the CPU alike).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ def modes(dry: bool) -> dict[str, dict]:
         "chunked": dict(max_num_batched_tokens=24),
         "preempt": dict(num_blocks=10, block_size=4) if dry else dict(num_blocks=16, block_size=16),
     }
-BF16_MIN_AGREEMENT = 0.5  # mean share of each output before its first difference from fp32
+# bf16 on fp32's path: share of positions where fp32's token is bf16's top choice (0.94-0.96 on the
+# CPU), and the lowest rank fp32's token may have in bf16's distribution there (near-ties only)
+BF16_MIN_TOP1 = 0.85
+BF16_MAX_RANK = 3
 PROMPT_LOGPROBS_TOLERANCE = 1e-3  # fp32: largest |ours - transformers'| of a prompt token's logprob
 
 
@@ -53,6 +59,19 @@ def prompt_logprobs_row(llm, hf, prompts: list[list[int]]) -> dict:
         got = torch.tensor([lp.logprob for lp in out.prompt_logprobs])
         worst = max(worst, (got - expected).abs().max().item() if len(got) else 0.0)
     return dict(max_abs_diff=worst, passed=worst <= PROMPT_LOGPROBS_TOLERANCE)
+
+
+def bf16_row(bf16, prompts: list[list[int]], fp32_tokens: list[list[int]]) -> dict:
+    """bf16 teacher-forced on fp32's greedy path: the rank of fp32's token in bf16's distribution at
+    every generated position (prompt logprobs of prompt + fp32 output)."""
+    from pagedserve import SamplingParams
+
+    forced = [p + t for p, t in zip(prompts, fp32_tokens)]
+    outputs = bf16.generate(forced, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    ranks = [lp.rank for p, o in zip(prompts, outputs) for lp in o.prompt_logprobs[len(p) - 1:]]
+    top1 = sum(r == 1 for r in ranks) / len(ranks)
+    return dict(positions=len(ranks), top1_share=top1, worst_rank=max(ranks),
+                passed=top1 >= BF16_MIN_TOP1 and max(ranks) <= BF16_MAX_RANK)
 
 
 def run(ctx: Context) -> dict:
@@ -89,9 +108,11 @@ def run(ctx: Context) -> dict:
         bf16_tokens = [o.token_ids for o in bf16.generate(prompts, greedy, use_tqdm=False)]
         share = agreement(bf16_tokens, fp32_tokens)
         first = sum(a[:1] == b[:1] for a, b in zip(bf16_tokens, fp32_tokens)) / len(prompts)
-        rows["bf16_vs_fp32"] = dict(mean_agreement=share, first_token_agreement=first,
-                                    passed=share >= BF16_MIN_AGREEMENT)
-        log(f"{family} bf16 vs fp32: {share:.1%} of tokens before the first difference, first token {first:.0%}")
+        row = bf16_row(bf16, prompts, fp32_tokens)
+        rows["bf16_vs_fp32"] = dict(row, free_running_agreement=share, first_token_agreement=first)
+        log(f"{family} bf16 on fp32's path: fp32's token bf16's first choice at {row['top1_share']:.1%} of "
+            f"{row['positions']} positions, worst rank {row['worst_rank']}; free-running: {share:.1%} of "
+            f"tokens before the first difference, first token {first:.0%}")
         del bf16, hf
         results["families"][family] = rows
         results["passed"] &= all(r["passed"] for r in rows.values())
