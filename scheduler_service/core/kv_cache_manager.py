@@ -125,6 +125,11 @@ class KVCacheManager:
             num_required_tokens = request.num_computed_tokens + 1
             if len(request.all_token_ids) != num_required_tokens:
                 break  # not decoding
+            if num_required_tokens % bs > 1 and not (with_drafts and request.spec_token_ids):
+                # its token goes in the block of the one before it, which it does not fill: that
+                # block is held (computed tokens always are), and nothing is new to cache
+                add(NO_BLOCK_IDS)
+                continue
             rid = request.request_id
             if with_drafts and request.spec_token_ids:
                 with_them = num_required_tokens + len(request.spec_token_ids)

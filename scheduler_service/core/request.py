@@ -30,11 +30,15 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+_STOPPED, _LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+
+
+NEVER = 1 << 62  # a token count no request reaches
 
 
 class Request:
@@ -57,9 +61,9 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority", "cache_salt",
         "status", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
-        "block_hashes", "max_tokens", "stop_token_set", "all_token_ids", "output_token_ids",
+        "block_hashes", "max_tokens", "stop_token_set", "all_token_ids", "_stop_from", "_length_at",
         "_block_size", "_first_extra_keys", "prompt_logprobs", "tenant", "tenant_weight",
-        "spec_token_ids",
+        "spec_token_ids", "_next_hash_at",
     )
 
     def __init__(
@@ -93,20 +97,24 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # chained hash per full block (once hashing is on)
         self.max_tokens = params.max_tokens  # cached for the hot path
         self.stop_token_set: frozenset[int] = frozenset(params.stop_token_ids)  # + EOS, set at admission
-        # Plain attributes (hot path); only ``append_output_token(s)`` may change them.
-        self.output_token_ids = list(output_token_ids)  # delivered outputs first, then generated ones
-        self.all_token_ids = self.prompt_token_ids + self.output_token_ids  # prompt + outputs
+        # A plain attribute (hot path); only ``append_output_token(s)`` may change it. The outputs
+        # (delivered ones first, then generated ones) are its tail: ``output_token_ids``.
+        self.all_token_ids = self.prompt_token_ids + list(output_token_ids)  # prompt + outputs
+        # the token counts at which a stop token counts (min_tokens) and at which max_tokens stops
+        self._stop_from = self.num_prompt_tokens + params.min_tokens
+        self._length_at = self.num_prompt_tokens + params.max_tokens
         # SamplingParams.prompt_logprobs: by prompt index, filled as steps compute them (index 0 has
         # none) and handed out with the first output token; None when not asked for or handed out.
         # While set the request takes no prefix-cache hit (every prompt position is computed).
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
-            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and not self.output_token_ids
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None and not output_token_ids
             else None)
         # Draft tokens for the next step (n-gram speculation), as the worker proposed them with the
         # tokens of the step that appended this request's last ones: valid for the token ids as
         # they are then; not outputs.
         self.spec_token_ids: list[int] = []
         self._block_size = 0  # 0: block hashing off
+        self._next_hash_at = NEVER  # the token count that completes the next block to hash
         self._first_extra_keys = cache_salt_extra_keys(cache_salt)  # only the first block's hash
         if block_size is not None:
             self.enable_block_hashing(block_size)
@@ -121,7 +129,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         """Outputs so far, delivered ones included; also the index of the next output."""
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The outputs so far, delivered ones included (a copy)."""
+        return self.all_token_ids[self.num_prompt_tokens:]
 
     def append_output_token(self, token_id: int) -> RequestStatus | None:
         """Append one sampled token (the hot path), hash the block it completes, if any, and return
@@ -130,23 +143,21 @@ class Request:
         token max_tokens allows, as vLLM checks (the stop token then reads as one) — else LENGTH at
         max_tokens (admission made prompt + max_tokens <= max_model_len, so this also stops at the
         model's length). The caller applies the status."""
-        outputs = self.output_token_ids
-        outputs.append(token_id)
         tokens = self.all_token_ids
         tokens.append(token_id)
-        if self._block_size and not len(tokens) % self._block_size:
+        n = len(tokens)
+        if n >= self._next_hash_at:
             self._hash_new_full_blocks()
-        if token_id in self.stop_token_set and len(outputs) >= self.sampling_params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
-        if len(outputs) >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+        if token_id in self.stop_token_set and n >= self._stop_from:
+            return _STOPPED
+        if n >= self._length_at:
+            return _LENGTH
         return None
 
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled tokens; hashes every block they complete (when hashing is on)."""
         if isinstance(token_ids, int):
             token_ids = (token_ids,)
-        self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         if self._block_size and len(self.all_token_ids) // self._block_size > len(self.block_hashes):
             self._hash_new_full_blocks()
@@ -175,6 +186,7 @@ class Request:
             parent = hashes[-1] if i else ROOT_BLOCK_HASH
             extra = self._first_extra_keys if i == 0 else b""
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
+        self._next_hash_at = (len(hashes) + 1) * bs
 
     # -- status ---------------------------------------------------------------------------------------
 

@@ -267,12 +267,12 @@ class Scheduler:
                 # The client's prompt tokens the cache served. A request resumed after delivered
                 # outputs reported its figure in those outputs: the hit of its recomputation
                 # (prompt + delivered tokens) is this engine's business, not the client's usage.
-                request.num_cached_tokens = 0 if request.output_token_ids else num_computed
+                request.num_cached_tokens = 0 if request.num_output_tokens else num_computed
             rid = request.request_id
             num_scheduled[rid] = n
             budget -= n
             new_reqs.append(NewRequestData(
-                rid, list(request.prompt_token_ids), list(request.output_token_ids),
+                rid, list(request.prompt_token_ids), request.output_token_ids,
                 request.sampling_params, kv.get_block_ids(rid), num_computed))
 
         for request in drafted.values():  # sent (in ``spec_tokens``) or not: either way used up
@@ -583,7 +583,7 @@ class Scheduler:
         if usage is None:
             usage = self.tenant_usage[request.tenant] = [0, 0]
         usage[0] += request.num_prompt_tokens
-        usage[1] += len(request.output_token_ids)
+        usage[1] += request.num_output_tokens
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
