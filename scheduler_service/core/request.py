@@ -63,7 +63,7 @@ class Request:
         "status", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "block_hashes", "max_tokens", "stop_token_set", "all_token_ids", "_stop_from", "_length_at",
         "_block_size", "_first_extra_keys", "prompt_logprobs", "tenant", "tenant_weight",
-        "spec_token_ids", "_next_hash_at",
+        "spec_token_ids", "_next_hash_at", "next_event_at",
     )
 
     def __init__(
@@ -103,6 +103,8 @@ class Request:
         # the token counts at which a stop token counts (min_tokens) and at which max_tokens stops
         self._stop_from = self.num_prompt_tokens + params.min_tokens
         self._length_at = self.num_prompt_tokens + params.max_tokens
+        # the token count that needs more than an append: a block to hash, or max_tokens reached
+        self.next_event_at = self._length_at
         # SamplingParams.prompt_logprobs: by prompt index, filled as steps compute them (index 0 has
         # none) and handed out with the first output token; None when not asked for or handed out.
         # While set the request takes no prefix-cache hit (every prompt position is computed).
@@ -142,10 +144,21 @@ class Request:
         ignore_eos, and the stop token ids) once ``min_tokens`` outputs exist — also as the last
         token max_tokens allows, as vLLM checks (the stop token then reads as one) — else LENGTH at
         max_tokens (admission made prompt + max_tokens <= max_model_len, so this also stops at the
-        model's length). The caller applies the status."""
+        model's length). The caller applies the status.
+
+        The scheduler's decode loop does the same in line: it appends to ``all_token_ids`` and
+        calls :meth:`after_append` only when the new count reaches ``next_event_at`` or the token
+        is a stop token (else the status is None)."""
         tokens = self.all_token_ids
         tokens.append(token_id)
-        n = len(tokens)
+        if len(tokens) >= self.next_event_at or token_id in self.stop_token_set:
+            return self.after_append(token_id)
+        return None
+
+    def after_append(self, token_id: int) -> RequestStatus | None:
+        """The rest of :meth:`append_output_token` once ``token_id`` is appended: hash the block it
+        completes, return the status it brings."""
+        n = len(self.all_token_ids)
         if n >= self._next_hash_at:
             self._hash_new_full_blocks()
         if token_id in self.stop_token_set and n >= self._stop_from:
@@ -187,6 +200,7 @@ class Request:
             extra = self._first_extra_keys if i == 0 else b""
             hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra))
         self._next_hash_at = (len(hashes) + 1) * bs
+        self.next_event_at = min(self._next_hash_at, self._length_at)
 
     # -- status ---------------------------------------------------------------------------------------
 

@@ -402,9 +402,12 @@ class Scheduler:
                 continue
 
             first_index = num_tokens - request.num_prompt_tokens
-            if len(tokens) == 1:  # one sampled token (the hot path)
+            if len(tokens) == 1:  # one sampled token (the hot path): append_output_token in line
                 new_tokens = tokens
-                status = request.append_output_token(tokens[0])
+                token = tokens[0]
+                request.all_token_ids.append(token)
+                status = (request.after_append(token) if num_tokens + 1 >= request.next_event_at
+                          or token in request.stop_token_set else None)
             else:
                 new_tokens = []
                 for token in tokens:

@@ -54,3 +54,23 @@ def test_block_size_cannot_change():
     r.enable_block_hashing(4)
     with pytest.raises(ValueError):
         r.enable_block_hashing(8)
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "statuses"),
+    [
+        (dict(stop_token_ids=(42,)), [7, 42], [None, RequestStatus.FINISHED_STOPPED]),
+        (dict(stop_token_ids=(42,), min_tokens=2), [42, 42], [None, RequestStatus.FINISHED_STOPPED]),
+        (dict(), [7, 7, 7], [None, None, RequestStatus.FINISHED_LENGTH]),
+        (dict(stop_token_ids=(42,)), [7, 7, 42], [None, None, RequestStatus.FINISHED_STOPPED]),
+    ],
+)
+def test_append_output_token_statuses_and_hashes(params, tokens, statuses):
+    # a 3-token prompt in 2-token blocks: every append completes a block or starts one, and the last
+    # allowed token (max_tokens 3) is also a block's first
+    r = make_request(prompt_token_ids=[1, 2, 3], block_size=2, max_tokens=3, **params)
+    got = [r.append_output_token(t) for t in tokens]
+    assert got == statuses
+    fresh = make_request(prompt_token_ids=[1, 2, 3, *tokens], block_size=2)
+    assert r.block_hashes == fresh.block_hashes and r.output_token_ids == tokens
+    assert r.next_event_at > r.num_tokens or r.next_event_at == r.num_prompt_tokens + 3
