@@ -99,18 +99,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:
+def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 logits ``[N, V]`` of the LM-head GEMM's bf16 output ``logits`` ``[N, V]``, with the ``k``
     largest of each row (ties to the lower token id) recomputed in fp32 from ``hidden`` ``[N, D]``
     and ``weight`` ``[V, D]`` (bf16 rows): what ``LlamaForCausalLM.compute_logits`` computes with
     torch's ``float``, ``topk``, ``einsum`` and ``scatter_``, in one pass per row. The exact values'
-    sums run in a fixed order of their own (not torch's): each row's result is the same in any batch."""
+    sums run in a fixed order of their own (not torch's): each row's result is the same in any batch.
+    ``out``: where to write them (fp32 ``[N, V]`` rows), e.g. a buffer kept between steps; over
+    32 MiB a fresh tensor is a mapping of its own, faulted in page by page at every call."""
     if not (_rows(logits) and _rows(hidden) and _rows(weight) and logits.dtype == hidden.dtype == weight.dtype
             == torch.bfloat16 and logits.shape[0] == hidden.shape[0] and logits.shape[1] == weight.shape[0]
             and hidden.shape[1] == weight.shape[1] and 0 <= k <= 64):
         raise ValueError("refine_logits: logits [N, V], hidden [N, D] and weight [V, D] must be bf16 rows, k <= 64 "
                          f"(got {tuple(logits.shape)}, {tuple(hidden.shape)}, {tuple(weight.shape)}, k={k})")
-    out = torch.empty(logits.shape, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(logits.shape, dtype=torch.float32)
+    elif not (_rows(out) and out.dtype == torch.float32 and out.shape == logits.shape):
+        raise ValueError(f"refine_logits: out must be fp32 rows of {tuple(logits.shape)} "
+                         f"(got {out.dtype} {tuple(out.shape)})")
     _entry("refine_logits_bf16")(
         logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0),
         out.data_ptr(), out.stride(0), logits.shape[0], logits.shape[1], hidden.shape[1], k, torch.get_num_threads())

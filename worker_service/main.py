@@ -143,6 +143,13 @@ def settings_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def make_app(settings: WorkerConfig) -> WorkerApp:
+    runner = settings.runner
+    if runner.tune_malloc and runner.device in (None, "cpu") and settings.simulate_step_latency is None:
+        from worker_service import cpu_memory
+
+        # Before any thread of the process exists (gRPC's, the model runner's): all then allocate
+        # from the main heap (cpu_memory.tune_malloc says why).
+        cpu_memory.tune_malloc()
     return WorkerApp(settings, whole_process=True)
 
 

@@ -119,6 +119,12 @@ class ModelRunner:
                                 prompt_lookup=(config.prompt_lookup_min, config.prompt_lookup_max)
                                 if config.num_speculative_tokens else None)
         self.sampler = Sampler()
+        # The sampling rows' fp32 logits of a bf16 model on the CPU, kept between steps and grown
+        # as needed (LlamaForCausalLM.compute_logits' ``out``): at 200 rows they are 39 MiB, which
+        # glibc maps afresh for every step and the kernel faults in page by page (in a VM, 2.4 s
+        # of kernel time over a served burst of 64 requests).
+        self._logits_out = torch.empty((0, self.vocab_size), dtype=torch.float32) \
+            if self.device.type == "cpu" and loaded.dtype == torch.bfloat16 else None
         ops = get_attention_ops(config.attention_backend, self.device.type)
         self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
         self.attention_backend = ops.backend
@@ -171,7 +177,8 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, D]
         out = ModelRunnerOutput()
         if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [M, V] fp32
+            logits = self.model.compute_logits(hidden[inputs.logits_indices],  # [M, V] fp32
+                                               self._logits_buffer(len(inputs.logits_indices)))
             sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows, inputs.sample_offsets))
             out = self._collect(inputs, sampled)
             if self.batch.prompt_lookup is not None:
@@ -179,6 +186,12 @@ class ModelRunner:
         for rows in inputs.prompt_logprobs:
             out.prompt_logprobs[rows.request_id] = (rows.first_index, self._prompt_logprobs(hidden, rows))
         return out
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor | None:
+        """The step's sampling-logits buffer, at least ``rows`` rows (None: not kept here)."""
+        if self._logits_out is not None and self._logits_out.shape[0] < rows:
+            self._logits_out = torch.empty((-(-rows // 64) * 64, self.vocab_size), dtype=torch.float32)
+        return self._logits_out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobsRows) -> list[TokenLogprobs]:
         """Each row's prompt token scored by the model's distribution at the row (a log-softmax of

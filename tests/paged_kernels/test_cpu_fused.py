@@ -181,6 +181,15 @@ def test_refined_logits_break_ties_toward_the_lower_token_id_and_ignore_the_batc
 
 
 @needs_native
+def test_refined_logits_go_into_a_given_buffer():
+    hidden, weight, logits = lm_head(7)
+    buffer = torch.full((16, logits.shape[1]), float("nan"))
+    got = cpu_fused.refine_logits(logits, hidden, weight, 8, out=buffer[:7])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, cpu_fused.refine_logits(logits, hidden, weight, 8))
+    assert buffer[7:].isnan().all()  # rows past the step's are not touched
+
+
+@needs_native
 def test_bad_arguments_are_refused_by_name():
     norm = bf16_norm()
     with pytest.raises(ValueError, match="rms_norm: x must be fp32"):
@@ -204,6 +213,8 @@ def test_bad_arguments_are_refused_by_name():
         cpu_fused.refine_logits(logits.float(), hidden, weight, 8)
     with pytest.raises(ValueError, match="refine_logits"):
         cpu_fused.refine_logits(logits, hidden[:, :10], weight, 8)
+    with pytest.raises(ValueError, match="refine_logits: out must be fp32 rows"):
+        cpu_fused.refine_logits(logits, hidden, weight, 8, out=torch.empty(3, logits.shape[1]))
 
 
 def test_only_bf16_cpu_tensors_outside_autograd_take_the_fused_path(monkeypatch):

@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x[:num_tokens])
         return self.norm.add_and_norm(x[:num_tokens], pending[:num_tokens])[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` fp32 of ``hidden`` ``[N, D]`` (only the rows that sample).
 
         The GEMM runs in the model dtype. A 16-bit GEMM accumulates in fp32 but returns its output
@@ -174,7 +174,9 @@ class LlamaForCausalLM(nn.Module):
         therefore recomputed in fp32 from the same 16-bit operands (a ``[N, k, D]`` product, not a
         second ``[N, V]`` GEMM). In an fp32 model the GEMM's output is used as is. A bf16 model on
         the CPU does the widening, the selection and the products in one C pass per row
-        (``cpu_fused.refine_logits``: ties at the k-th value go to the lower token id).
+        (``cpu_fused.refine_logits``: ties at the k-th value go to the lower token id), into ``out``
+        when given (fp32, at least ``N`` rows of ``V``: the runner's buffer, reused every step; the
+        result is then a view of it).
         """
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         rows = hidden.shape[0]
@@ -183,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         logits = F.linear(head_input, weight) if self.head_gemm is None else self.head_gemm(head_input)  # [N, V]
         logits = logits[:rows]
         if logits.shape[0] > 0 and cpu_fused.applies(logits):  # bf16 on the CPU: the same in one pass (C)
-            return cpu_fused.refine_logits(logits, hidden.contiguous(), weight, REFINED_LOGITS)
+            return cpu_fused.refine_logits(logits, hidden.contiguous(), weight, REFINED_LOGITS,
+                                           None if out is None else out[:rows])
         logits = logits.float()
         if weight.dtype != torch.float32 and logits.shape[0] > 0:
             top = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [N, k]
