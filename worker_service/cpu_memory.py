@@ -124,6 +124,23 @@ _TOP_PAD = 64 << 20
 _tuned = False
 
 
+def warm_heap(nbytes: int, chunk: int = 16 << 20) -> float:
+    """Fault ``nbytes`` of heap in now, then hand them back to malloc, which keeps them (after
+    :func:`tune_malloc`, whose trim threshold is above what a step frees): the steps' activations
+    then grow into warm pages rather than faulting fresh ones in while requests wait. Measured on a
+    2-core VM serving a burst of 64 requests: the worker's kernel time 0.85 -> 0.15 s, output
+    626-635 -> 653-656 tok/s. Chunks below the mmap threshold, so that they come from the heap.
+    Returns the seconds it took (0: malloc is not tuned here, and freed memory would go back)."""
+    if not _tuned or nbytes <= 0:
+        return 0.0
+    started = time.perf_counter()
+    chunks = [torch.empty(chunk, dtype=torch.uint8) for _ in range(-(-nbytes // chunk))]
+    for block in chunks:
+        block[::4096] = 0  # a write per page faults it in
+    del chunks
+    return time.perf_counter() - started
+
+
 def tune_malloc() -> bool:
     """Serve allocations up to 32 MiB from the heap and keep up to 1 GiB of freed heap: a step's
     activations then reuse warm pages instead of faulting fresh ones in (decode steps ran ~8%

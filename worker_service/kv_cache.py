@@ -39,7 +39,7 @@ def determine_num_blocks(
     elif device.type == "cuda":
         torch.cuda.empty_cache()  # blocks torch holds but no tensor uses (e.g. from loading) are free too
         free, total = torch.cuda.mem_get_info(device)
-        budget = cuda_kv_budget(free, total, config.gpu_memory_fraction, _activation_reserve(config, cfg, dtype))
+        budget = cuda_kv_budget(free, total, config.gpu_memory_fraction, activation_reserve(config, cfg, dtype))
     else:
         budget = parse_memory(ModelRunnerConfig.DEFAULT_CPU_KV_CACHE_MEMORY)
     num_blocks = min(budget // per_block, useful)
@@ -64,8 +64,9 @@ def cuda_kv_budget(free: int, total: int, gpu_memory_fraction: float, activation
     return free - headroom - activation_reserve
 
 
-def _activation_reserve(config: ModelRunnerConfig, cfg: DecoderConfig, dtype: torch.dtype) -> int:
-    """A generous bound on one forward pass's transient memory (left free beside the cache)."""
+def activation_reserve(config: ModelRunnerConfig, cfg: DecoderConfig, dtype: torch.dtype) -> int:
+    """A generous bound on one forward pass's transient memory: left free beside a GPU's cache, faulted
+    into the heap at start on the CPU (``cpu_memory.warm_heap``)."""
     element = torch.empty((), dtype=dtype).element_size()
     tokens = config.max_num_batched_tokens
     per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * cfg.num_heads * cfg.head_dim) * element

@@ -29,7 +29,7 @@ from servicekit.model_registry import resolve_model
 from worker_service import cpu_memory
 from worker_service.config import ModelRunnerConfig
 from worker_service.input_batch import InputBatch, ragged
-from worker_service.kv_cache import allocate_kv_caches, determine_num_blocks
+from worker_service.kv_cache import activation_reserve, allocate_kv_caches, determine_num_blocks
 from worker_service.loader import LoadedModel, load_model
 from worker_service.models import cpu_gemm
 from worker_service.models.layers import AttentionMetadata, ForwardContext
@@ -109,6 +109,10 @@ class ModelRunner:
                              self.num_packed_linears)
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
+        if self.device.type == "cpu" and config.tune_malloc:
+            reserve = activation_reserve(config, cfg, loaded.dtype)
+            log.info("heap: %d MiB of activation memory faulted in at start in %.1f s", reserve >> 20,
+                     cpu_memory.warm_heap(reserve))
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = loaded.eos_token_ids

@@ -10,7 +10,7 @@ import torch
 
 from worker.factories import make_hf_config
 from worker_service.config import ModelRunnerConfig
-from worker_service.kv_cache import _activation_reserve, bytes_per_block, cuda_kv_budget, determine_num_blocks
+from worker_service.kv_cache import activation_reserve, bytes_per_block, cuda_kv_budget, determine_num_blocks
 from worker_service.model_runner import _to
 from worker_service.models import model_class_for
 
@@ -39,7 +39,7 @@ def test_cuda_block_count_comes_from_free_memory_minus_headroom(monkeypatch):
 
     blocks = determine_num_blocks(config, cfg, torch.bfloat16, torch.device("cuda"), max_model_len=1024)
 
-    budget = cuda_kv_budget(free, total, 0.5, _activation_reserve(config, cfg, torch.bfloat16))
+    budget = cuda_kv_budget(free, total, 0.5, activation_reserve(config, cfg, torch.bfloat16))
     assert blocks == budget // per_block
     assert blocks * per_block <= free - total // 2  # never into the headroom
 
