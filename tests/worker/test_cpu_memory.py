@@ -69,3 +69,29 @@ def test_a_mapping_over_its_huge_page_budget_takes_plain_pages_past_the_probe(bu
         assert _anon_huge_kib(rest) == 0
     elif _anon_huge_kib(t.data_ptr()) > 0:  # this machine gives huge pages at all: the rest got them too
         assert _anon_huge_kib(rest) > 0
+
+
+def test_warm_heap_faults_memory_in_only_where_malloc_keeps_it(monkeypatch):
+    monkeypatch.setattr(cpu_memory, "_tuned", False)
+    assert cpu_memory.warm_heap(64 << 20) == 0.0  # untuned: freed memory would go straight back
+    monkeypatch.setattr(cpu_memory, "_tuned", True)
+    assert cpu_memory.warm_heap(0) == 0.0
+    assert cpu_memory.warm_heap(4 << 20, chunk=1 << 20) > 0.0
+
+
+@pytest.mark.parametrize(("argv", "tuned"), [
+    ([], True),
+    (["--no-tune-malloc"], False),
+    (["--device", "cuda"], False),
+    (["--simulate-step-latency", "0.001,0"], False),
+])
+def test_a_worker_tunes_malloc_when_it_is_built_before_its_threads(argv, tuned, monkeypatch):
+    # the worker's make_app: before any thread of the process exists (every thread then shares the
+    # main heap); not for a GPU worker, a simulated one, or when told not to
+    from worker_service import main as worker_main
+
+    calls = []
+    monkeypatch.setattr(cpu_memory, "tune_malloc", lambda: calls.append(True) or True)
+    settings = worker_main.settings_from_args(worker_main.build_parser({}).parse_args(["--model", "tiny", *argv]))
+    app = worker_main.make_app(settings)
+    assert calls == ([True] if tuned else []) and app.servicer is None
