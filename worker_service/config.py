@@ -77,8 +77,9 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
     kernel_cache: str = setting("", help="where built C kernels are cached (default: ~/.cache/pagedserve/kernels)")
     prepack_weights: bool = setting(True, help="lay bf16 linear weights out once for oneDNN's GEMM (bit-identical "
                                                 "outputs; faster small batches)")
-    tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds and keep every thread on one heap, so "
-                                           "per-step activations reuse warm memory (process-wide)")
+    tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds so per-step activations reuse warm "
+                                           "memory; a worker process also keeps every thread on one heap "
+                                           "(process-wide)")
     # n-gram speculation (worker_service/ngram.py): the worker proposes, the scheduler schedules
     num_speculative_tokens: int = setting(
         3, minimum=0, maximum=16,

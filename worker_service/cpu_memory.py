@@ -122,6 +122,7 @@ _MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value (HEAP_MAX / 2 on 64-
 _TRIM_THRESHOLD = 1 << 30
 _TOP_PAD = 64 << 20
 _tuned = False
+_one_heap = False
 
 
 def warm_heap(nbytes: int, chunk: int = 16 << 20) -> float:
@@ -141,18 +142,20 @@ def warm_heap(nbytes: int, chunk: int = 16 << 20) -> float:
     return time.perf_counter() - started
 
 
-def tune_malloc() -> bool:
+def tune_malloc(*, one_heap: bool = False) -> bool:
     """Serve allocations up to 32 MiB from the heap and keep up to 1 GiB of freed heap: a step's
     activations then reuse warm pages instead of faulting fresh ones in (decode steps ran ~8%
-    faster here). One arena: every thread created after this call allocates from that heap too. A
-    worker runs its steps on a thread of their own, which otherwise got an arena of 64 MiB heaps of
-    its own that kept growing into fresh pages: on a 2-core VM serving a burst of 64 requests, 2.4
-    of 27 CPU seconds went to the kernel faulting them in, against 0.2 s in one thread (the worker
-    calls this before it starts that thread). Process-wide and glibc-only; once per process (a
-    worker's ``--no-tune-malloc`` skips the call). Returns whether the settings are in effect.
+    faster here). ``one_heap`` (a process that is a worker and nothing else): one arena, so that
+    every thread created after this call allocates from the main heap too. A worker runs its steps
+    on a thread of their own, which otherwise got an arena of 64 MiB heaps of its own that kept
+    growing into fresh pages: on a 2-core VM serving a burst of 64 requests, 2.4 of 27 CPU seconds
+    went to the kernel faulting them in, against 0.2 s in one thread (the worker calls this before
+    it starts any thread; an in-process engine steps on its caller's thread and leaves the caller's
+    arenas alone). Process-wide and glibc-only (a worker's ``--no-tune-malloc`` skips the call).
+    Returns whether the settings are in effect.
     """
-    global _tuned
-    if _tuned:
+    global _tuned, _one_heap
+    if _tuned and (_one_heap or not one_heap):
         return True
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -160,9 +163,11 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _tuned = all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD), (_M_TOP_PAD, _TOP_PAD),
-        (_M_ARENA_MAX, 1)))
+    settings = [(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD), (_M_TOP_PAD, _TOP_PAD)]
+    if one_heap:
+        settings.append((_M_ARENA_MAX, 1))
+    _tuned = all(mallopt(param, value) == 1 for param, value in settings)
+    _one_heap = _tuned and one_heap
     if not _tuned:
         log.warning("mallopt rejected the activation-memory settings; CPU steps may run slower")
     return _tuned

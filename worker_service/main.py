@@ -149,7 +149,7 @@ def make_app(settings: WorkerConfig) -> WorkerApp:
 
         # Before any thread of the process exists (gRPC's, the model runner's): all then allocate
         # from the main heap (cpu_memory.tune_malloc says why).
-        cpu_memory.tune_malloc()
+        cpu_memory.tune_malloc(one_heap=True)
     return WorkerApp(settings, whole_process=True)
 
 

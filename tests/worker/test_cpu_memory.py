@@ -91,7 +91,7 @@ def test_a_worker_tunes_malloc_when_it_is_built_before_its_threads(argv, tuned, 
     from worker_service import main as worker_main
 
     calls = []
-    monkeypatch.setattr(cpu_memory, "tune_malloc", lambda: calls.append(True) or True)
+    monkeypatch.setattr(cpu_memory, "tune_malloc", lambda **kw: calls.append(kw) or True)
     settings = worker_main.settings_from_args(worker_main.build_parser({}).parse_args(["--model", "tiny", *argv]))
     app = worker_main.make_app(settings)
-    assert calls == ([True] if tuned else []) and app.servicer is None
+    assert calls == ([{"one_heap": True}] if tuned else []) and app.servicer is None
