@@ -7,8 +7,9 @@ Both matter only on the CPU, where memory traffic — not arithmetic — bounds 
   a TLB miss.
 * :func:`tune_malloc` keeps freed activation memory in the heap. A forward pass allocates and frees
   tensors of megabytes per layer; with glibc's defaults the larger ones are fresh ``mmap`` s that
-  page-fault in on every step. It also puts every thread on the main heap: a thread's own arena
-  (glibc gives each thread one) is a chain of 64 MiB heaps that grows into fresh pages.
+  page-fault in on every step. In a worker process it also puts every thread on the main heap: a
+  thread's own arena (glibc gives each thread one) is a chain of 64 MiB heaps that grows into fresh
+  pages. :func:`warm_heap` faults the activation memory into that heap at start.
 """
 
 from __future__ import annotations

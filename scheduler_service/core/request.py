@@ -172,7 +172,7 @@ class Request:
         if isinstance(token_ids, int):
             token_ids = (token_ids,)
         self.all_token_ids.extend(token_ids)
-        if self._block_size and len(self.all_token_ids) // self._block_size > len(self.block_hashes):
+        if len(self.all_token_ids) >= self._next_hash_at:
             self._hash_new_full_blocks()
 
     # -- block hashes ---------------------------------------------------------------------------------
