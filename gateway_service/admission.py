@@ -183,6 +183,7 @@ class Admission:
         """Send what is queued, one pipeline a batch (plus ``WAIT 1`` on the same connection when
         admissions wait for a replica), until nothing is; each admission gets its own answer or
         error (a connection lost fails the whole batch, as it would each command alone)."""
+        batch: list[tuple[dict, asyncio.Future]] = []
         try:
             while self._queued:
                 batch, self._queued = self._queued, []
@@ -202,8 +203,9 @@ class Admission:
                         answer.set_result((result, acknowledged))
         finally:
             self._sender = None
-            for _, answer in self._queued:  # only when cancelled (the gateway stopping)
-                answer.cancel()
+            for _, answer in (*batch, *self._queued):  # unanswered only when cancelled (the gateway stopping)
+                if not answer.done():
+                    answer.cancel()
             self._queued = []
 
     async def _pipelined(self, admissions: list[dict]) -> tuple[list, int | None]:

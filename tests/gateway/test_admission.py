@@ -128,3 +128,23 @@ async def test_redis_gone_fails_every_caller_of_the_batch_and_the_next_batch_run
             await admit(admission, keys, "after")
     finally:
         await client.aclose()
+
+
+async def test_stopping_the_sender_answers_every_waiting_caller(redis_server):
+    """The gateway stopping cancels the sending task: the batch in flight and those queued behind
+    it end cancelled, none waits forever."""
+    client = aioredis.Redis(port=redis_server.port)
+    keys = RedisKeys("stop:")
+    admission = Admission(client, keys, max_queued=0, output_ttl_s=60)
+    try:
+        in_flight = asyncio.ensure_future(admit(admission, keys, "in-flight"))
+        await asyncio.sleep(0)  # the sender takes it and awaits Redis
+        queued = asyncio.ensure_future(admit(admission, keys, "queued"))
+        await asyncio.sleep(0)
+        admission._sender.cancel()
+        done = await asyncio.wait_for(asyncio.gather(in_flight, queued, return_exceptions=True), 5)
+        assert all(isinstance(d, asyncio.CancelledError) for d in done), done
+        await admit(admission, keys, "after")  # a new sender starts for the next admission
+        assert await client.exists(keys.output("after"))
+    finally:
+        await client.aclose()
