@@ -57,7 +57,7 @@ TEMPLATE_BYTES = 128 << 10
 
 # Plain text up to this many characters (about 2.5 ms of tokenizing) is tokenized on the event loop: a
 # 346-token prompt takes 0.43 ms, about what a hand-off to the thread pool and back costs, and a
-# burst no longer queues dozens of threads on the GIL. Longer text goes to a thread, so one huge
+# burst's prompts no longer wait in that pool's queue. Longer text goes to a thread, so one huge
 # prompt never stalls the other calls.
 INLINE_TOKENIZE_CHARS = 8192
 

@@ -97,9 +97,9 @@ class ModelRunner:
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
         self.num_packed_linears = 0
+        malloc_tuned = False
         if self.device.type == "cpu":
-            if config.tune_malloc:
-                cpu_memory.tune_malloc()
+            malloc_tuned = config.tune_malloc and cpu_memory.tune_malloc()
             # only a change from the defaults is passed on: the defaults leave the environment its say
             native.configure(enabled=None if config.native_kernels else False, cache_dir=config.kernel_cache or None)
             if config.prepack_weights:
@@ -109,7 +109,7 @@ class ModelRunner:
                              self.num_packed_linears)
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
-        if self.device.type == "cpu" and config.tune_malloc:
+        if malloc_tuned:  # freed heap is kept: worth faulting the activation memory in now
             reserve = activation_reserve(config, cfg, loaded.dtype)
             log.info("heap: %d MiB of activation memory faulted in at start in %.1f s", reserve >> 20,
                      cpu_memory.warm_heap(reserve))
