@@ -21,7 +21,8 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   arithmetic whether its token was prefilled or decoded, so a recomputed prefill (a resume after a
   fault) repeats it exactly. On a CPU with AMX, bf16 chunks of ``_AMX_MIN_ROWS`` tokens or more run
   on the tile registers (``csrc/amx_prefill_attention.c``: a flash-attention loop, 16 tokens by 32
-  keys a step; 2-2.5x SDPA's CPU kernel on chunks of 128-512 tokens), or, where Linux refuses the
+  keys a step; 2-2.5x SDPA's CPU kernel on chunks of 128-512 tokens), all of a step's in one call
+  that packs a cached prefix they share once for all of them, or, where Linux refuses the
   tiles, chunks past ``_SDPA_MIN_PAIRS`` go to SDPA, whose tile GEMMs are 2-4x faster there than a
   row per token. Elsewhere (no compiler, no AVX-512, other head sizes) a
   chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk
@@ -154,8 +155,11 @@ _AMX_KERNEL = "amx_prefill_attention"
 # (timed against _native_prefill's row kernel on an Intel Xeon with AMX-BF16, 2 threads: 8 rows over
 # 1,000 positions 1.3x faster on tiles, 4 rows 0.7x, 2 rows over 500 0.5x).
 _AMX_MIN_ROWS = 8
-_AMX_ARGTYPES = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I32, _I32, _P, _I64, _I64,
-                 _I32, _I32, _I32, _I32, native.FLOAT, _I32]
+_AMX_ARGTYPES = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I32, _P, _I64, _I64,
+                 _I32, _I32, _I32, _I32, native.FLOAT, _I64, _I32]
+# One call's packed K/V (its chunks' distinct 32-key blocks, 24 KiB each for SmolLM2's 3 KV heads of
+# 64) stays under this: chunks with longer contexts between them go in groups that fit.
+_AMX_PACKED_BUDGET = 128 << 20
 
 
 def amx_prefill_available(head_dim: int = 64) -> bool:
@@ -167,25 +171,46 @@ def amx_prefill_available(head_dim: int = 64) -> bool:
     return fn is not None and bool(fn(head_dim))
 
 
-def _amx_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_len: int, scale: float, out: torch.Tensor) -> bool:
-    """A bf16 chunk's attention on AMX tiles (``csrc/amx_prefill_attention.c``), written into
-    ``out``; False, writing nothing, where it does not apply (no AMX-BF16, not bf16, head size not
-    64 or 128, strides it does not take, no permission for the tiles)."""
-    if (query.shape[0] < _AMX_MIN_ROWS or query.dtype != torch.bfloat16 or native_bf16() != "amx_bf16"
-            or query.device.type != "cpu"
-            or out.dtype != torch.bfloat16 or out.stride(-1) != 1 or not _supported(query, key_cache, value_cache)):
+def _amx_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether bf16 chunks of ``query``'s step can run on the tiles at all (dtype, CPU, strides)."""
+    return (query.dtype == torch.bfloat16 and native_bf16() == "amx_bf16" and query.device.type == "cpu"
+            and out.dtype == torch.bfloat16 and out.stride(-1) == 1 and _supported(query, key_cache, value_cache))
+
+
+def _amx_prefill_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seqs: list[int], starts: list[int], q_lens: list[int],
+                       lens: list[int], scale: float, out: torch.Tensor) -> bool:
+    """The prefill chunks of sequences ``seqs`` in one call of the tile kernel
+    (``csrc/amx_prefill_attention.c``): sequence ``s``'s chunk is rows ``starts[s]`` to ``starts[s] +
+    q_lens[s]`` of ``query`` and ``out``, the last of its ``lens[s]`` positions, read through row ``s``
+    of ``block_tables``. A cached prefix the chunks share is packed for the tiles once for all of
+    them. False, writing nothing, where the kernel does not apply (see :func:`_amx_prefill`)."""
+    if not seqs or not _amx_applies(query, key_cache, value_cache, out):
         return False
-    fn = native.function(_AMX_KERNEL, "amx_prefill_attention", _AMX_ARGTYPES, ctypes.c_int)
+    fn = native.function(_AMX_KERNEL, "amx_prefill_attention_batch", _AMX_ARGTYPES, ctypes.c_int)
     if fn is None:
         return False
-    q_len, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    table = block_table.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    per_seq = torch.tensor([seqs, [lens[s] for s in seqs], [q_lens[s] for s in seqs], [starts[s] for s in seqs]],
+                           dtype=torch.int32)
+    rows, seq_lens, chunk_lens, chunk_starts = per_seq.unbind(0)
     return fn(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
-              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), table.data_ptr(), seq_len, q_len,
+              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), tables.data_ptr(), tables.stride(0),
+              rows.data_ptr(), seq_lens.data_ptr(), chunk_lens.data_ptr(), chunk_starts.data_ptr(), len(seqs),
               out.data_ptr(), out.stride(0), out.stride(1), num_heads, num_kv_heads, head_dim, block_size,
-              float(scale), torch.get_num_threads()) == 0
+              float(scale), _AMX_PACKED_BUDGET, torch.get_num_threads()) == 0
+
+
+def _amx_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_len: int, scale: float, out: torch.Tensor) -> bool:
+    """A bf16 chunk's attention on AMX tiles, written into ``out``; False, writing nothing, where it
+    does not apply (fewer than ``_AMX_MIN_ROWS`` rows, no AMX-BF16, not bf16, head size not 64 or
+    128, strides it does not take, no permission for the tiles)."""
+    q_len = query.shape[0]
+    return q_len >= _AMX_MIN_ROWS and _amx_prefill_batch(query, key_cache, value_cache, block_table[None], [0], [0],
+                                                         [q_len], [seq_len], scale, out)
 
 
 def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -290,7 +315,8 @@ def _paged_attention(
     out: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention with decode rows handed to ``decode`` (the signature of :func:`_decode`), batched;
-    prefill chunks one sequence at a time (:func:`_native_prefill`)."""
+    prefill chunks on AMX tiles all in one call (:func:`_amx_prefill_batch`), the others one sequence
+    at a time (:func:`_native_prefill`)."""
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
@@ -319,10 +345,13 @@ def _paged_attention(
             decode_out,
         )
         out[rows] = decode_out
-    for s in range(num_seqs):
-        if q_lens[s] > 1:
-            _native_prefill(query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale,
-                            out[qsl[s] : qsl[s + 1]])
+    chunks = [s for s in range(num_seqs) if q_lens[s] > 1]
+    on_tiles = [s for s in chunks if q_lens[s] >= _AMX_MIN_ROWS]
+    if _amx_prefill_batch(query, key_cache, value_cache, block_tables, on_tiles, qsl, q_lens, lens, scale, out):
+        chunks = [s for s in chunks if q_lens[s] < _AMX_MIN_ROWS]
+    for s in chunks:
+        _native_prefill(query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale,
+                        out[qsl[s] : qsl[s + 1]])
     return out
 
 

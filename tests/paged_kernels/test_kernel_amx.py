@@ -64,22 +64,72 @@ def test_a_chunk_on_tiles_is_the_same_alone_and_in_a_batch(paged_batch):
 @pytest.mark.skipif(not cpu.available(), reason="no C compiler on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_bf16_chunks_of_8_rows_or_more_take_the_tiles(paged_batch, monkeypatch, dtype):
-    """With AMX, bf16 chunks of at least _AMX_MIN_ROWS rows go to the tile kernel; shorter chunks,
-    decode rows and fp32 do not. Where the kernel cannot run (no AMX here) they fall back."""
+    """With AMX, bf16 chunks of at least _AMX_MIN_ROWS rows go to the tile kernel, all in one call;
+    shorter chunks, decode rows and fp32 do not. Where the kernel cannot run (no AMX here) they fall back."""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
-    tile_rows = []
-    tiles = cpu._amx_prefill
-    monkeypatch.setattr(cpu, "_amx_prefill", lambda *args: (ran := tiles(*args)) and tile_rows.append(args[0].shape[0])
-                        or ran)
+    calls = []
+    tiles = cpu._amx_prefill_batch
+
+    def recording(query, key_cache, value_cache, block_tables, seqs, starts, q_lens, *args):
+        ran = tiles(query, key_cache, value_cache, block_tables, seqs, starts, q_lens, *args)
+        if ran:
+            calls.append([q_lens[s] for s in seqs])
+        return ran
+
+    monkeypatch.setattr(cpu, "_amx_prefill_batch", recording)
     batch = paged_batch(q_lens=[100, 8, 7, 1], seq_lens=[300, 40, 7, 77], num_heads=6, num_kv_heads=2, head_dim=64,
                         block_size=16, head_major=True, dtype=dtype)
 
     out = cpu.cpu_paged_attention(*batch.args())
 
     on_tiles = dtype == torch.bfloat16 and cpu.amx_prefill_available()
-    assert tile_rows == ([100, 8] if on_tiles else [])
+    assert calls == ([[100, 8]] if on_tiles else [])
     tolerance = TOLERANCE if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **tolerance)
+
+
+def chunks_sharing_a_prefix(paged_batch, *, prefix_blocks: int, block_size: int):
+    """Prefill chunks of a step whose sequences share their first ``prefix_blocks`` cached blocks
+    (prefix caching), with tails of their own: chunks of 64, 100 and 9 tokens after the prefix, one
+    of 3 tokens (too few for the tiles), a decode row, the same sequence twice (identical tables and
+    lengths), one of the same table ending elsewhere, and a chunk that shares nothing."""
+    prefix = prefix_blocks * block_size
+    q_lens = [64, 100, 9, 3, 1, 40, 40, 40, 50]
+    seq_lens = [prefix + 64, prefix + 100, prefix + 9, prefix + 3, prefix + 20, prefix + 40, prefix + 40,
+                prefix + 47, 300]
+    batch = paged_batch(q_lens=q_lens, seq_lens=seq_lens, num_heads=9, num_kv_heads=3, head_dim=64,
+                        block_size=block_size, head_major=True, dtype=torch.bfloat16, num_blocks=8192 // block_size)
+    batch.block_tables[1:8, :prefix_blocks] = batch.block_tables[0, :prefix_blocks]
+    batch.block_tables[6:8] = batch.block_tables[5]
+    return batch
+
+
+def alone(batch, s: int) -> torch.Tensor:
+    """Sequence ``s``'s rows when it is the only sequence of the call."""
+    qsl = batch.query_start_loc.tolist()
+    return cpu.cpu_paged_attention(batch.query[qsl[s]:qsl[s + 1]], batch.key_cache, batch.value_cache,
+                                   batch.block_tables[s:s + 1], torch.tensor([0, qsl[s + 1] - qsl[s]], dtype=torch.int32),
+                                   batch.seq_lens[s:s + 1], batch.scale)
+
+
+@needs_amx
+@pytest.mark.parametrize("prefix_blocks,block_size", [(40, 16), (41, 16), (20, 32), (160, 4)],
+                         ids=["prefix-of-whole-32s", "prefix-ends-mid-32", "blocks-of-32", "blocks-of-4-unshared"])
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-group", "a-group-per-chunk"])
+def test_chunks_sharing_a_cached_prefix_in_one_call(paged_batch, monkeypatch, prefix_blocks, block_size, budget):
+    """The step's chunks go to the tiles in one call, each shared 32-key block of the prefix packed
+    once: every chunk's rows are bit for bit what they are alone (the same arithmetic), within bf16
+    rounding of the reference, with the packed budget met by groups of chunks as well."""
+    if budget is not None:
+        monkeypatch.setattr(cpu, "_AMX_PACKED_BUDGET", budget)
+    batch = chunks_sharing_a_prefix(paged_batch, prefix_blocks=prefix_blocks, block_size=block_size)
+
+    together = cpu.cpu_paged_attention(*batch.args())
+
+    qsl = batch.query_start_loc.tolist()
+    for s in range(len(qsl) - 1):
+        assert torch.equal(together[qsl[s]:qsl[s + 1]], alone(batch, s)), f"sequence {s}"
+    torch.testing.assert_close(together.float(), ref_paged_attention(*batch.args()).float(), **TOLERANCE)
 
 
 def shared_prefix_decode(paged_batch, *, num_seqs: int, prefix_blocks: int, head_dim: int = 64, gqa: int = 3,

@@ -152,7 +152,7 @@ def test_with_amx_but_no_tile_kernel_long_bf16_chunks_go_to_sdpa(paged_batch, mo
     SDPA's tile GEMMs beat a row per token past _SDPA_MIN_PAIRS: bf16 chunks that large go there
     (and still match the reference); short ones, decode rows and fp32 stay in C."""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
-    monkeypatch.setattr(cpu, "_amx_prefill", lambda *args: False)
+    monkeypatch.setattr(cpu, "_amx_prefill_batch", lambda *args: False)
     sdpa_rows = []
     sdpa = cpu._prefill
     monkeypatch.setattr(cpu, "_prefill", lambda *args: sdpa_rows.append(args[0].shape[0]) or sdpa(*args))
