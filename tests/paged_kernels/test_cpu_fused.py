@@ -115,14 +115,18 @@ def test_silu_mul_matches_the_torch_code(rows, inter):
 @needs_native
 @pytest.mark.parametrize("extra", [(), ("-mno-avx512bf16",), ("-mno-avx512f",)],
                          ids=["this-build", "avx512-without-bf16", "plain-c-build"])
-def test_silu_mul_plain_c_loop_matches_too(monkeypatch, tmp_path, extra):
-    """The AVX-512 loop (rounding by the AVX512-BF16 instruction or without it) and the plain C loop
+def test_silu_mul_and_rms_norm_plain_c_loops_match_too(monkeypatch, tmp_path, extra):
+    """The AVX-512 loops (rounding by the AVX512-BF16 instruction or without it) and the plain C loops
     (a CPU without AVX-512) agree with torch."""
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + extra)
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("PAGEDSERVE_KERNEL_CACHE", str(tmp_path))
     gate_up = (torch.randn(33, 2 * 100) * 3).to(torch.bfloat16)
     assert_nearly_equal(torch_silu_mul(gate_up), cpu_fused.silu_mul(gate_up))
+    norm, x, y = bf16_norm(1), torch.randn(33, D), torch.randn(33, D).to(torch.bfloat16)
+    expected = torch_norm(norm, x + y.float())
+    got = cpu_fused.rms_norm(x, norm.weight, norm.eps, residual=y)
+    assert_nearly_equal(expected, got)
     assert [p.name for p in tmp_path.iterdir()][0].startswith("cpu_fused_ops-")  # built with `extra`
 
 
