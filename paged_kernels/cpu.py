@@ -314,9 +314,10 @@ def _paged_attention(
     scale: float,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention with decode rows handed to ``decode`` (the signature of :func:`_decode`), batched;
-    prefill chunks on AMX tiles all in one call (:func:`_amx_prefill_batch`), the others one sequence
-    at a time (:func:`_native_prefill`)."""
+    """Attention with decode rows (and, where the C kernel has its AVX-512 loop, chunks of fewer than
+    ``_AMX_MIN_ROWS`` tokens) handed to ``decode`` (the signature of :func:`_decode`) in one call, a
+    row per token; prefill chunks on AMX tiles all in one call (:func:`_amx_prefill_batch`), the
+    others one sequence at a time (:func:`_native_prefill`)."""
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(query)
@@ -329,23 +330,22 @@ def _paged_attention(
         decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
         return out
 
-    decode_seqs = [s for s in range(num_seqs) if q_lens[s] == 1]
-    if decode_seqs:
-        index = torch.tensor(decode_seqs, device=query.device)
-        rows = torch.tensor([qsl[s] for s in decode_seqs], device=query.device)
-        decode_out = torch.empty_like(query[rows])
-        decode(
-            query[rows],
-            key_cache,
-            value_cache,
-            block_tables[index],
-            seq_lens[index],
-            [lens[s] for s in decode_seqs],
-            scale,
-            decode_out,
-        )
-        out[rows] = decode_out
-    chunks = [s for s in range(num_seqs) if q_lens[s] > 1]
+    # Decode rows, and chunks too short for the tiles (a decode row with its draft tokens, say) where
+    # the C kernel has its AVX-512 loop, go to `decode` together, a row per token: row j of a chunk
+    # of n attends to the first seq_len - n + j + 1 positions, through its sequence's block table.
+    # One call for all, and rows that share a cached prefix read it together.
+    short_as_rows = any(1 < n < _AMX_MIN_ROWS for n in q_lens) and _vectorized(query.shape[2])
+    as_rows = [n == 1 or (short_as_rows and n < _AMX_MIN_ROWS) for n in q_lens]
+    row_seqs = [s for s in range(num_seqs) if as_rows[s]]
+    if row_seqs:
+        seq_of_row = [s for s in row_seqs for _ in range(q_lens[s])]
+        rows = torch.tensor([qsl[s] + j for s in row_seqs for j in range(q_lens[s])], device=query.device)
+        row_lens = [lens[s] - q_lens[s] + j + 1 for s in row_seqs for j in range(q_lens[s])]
+        row_out = torch.empty_like(query[rows])
+        decode(query[rows], key_cache, value_cache, block_tables[torch.tensor(seq_of_row, device=query.device)],
+               torch.tensor(row_lens, dtype=seq_lens.dtype, device=seq_lens.device), row_lens, scale, row_out)
+        out[rows] = row_out
+    chunks = [s for s in range(num_seqs) if not as_rows[s]]
     on_tiles = [s for s in chunks if q_lens[s] >= _AMX_MIN_ROWS]
     if _amx_prefill_batch(query, key_cache, value_cache, block_tables, on_tiles, qsl, q_lens, lens, scale, out):
         chunks = [s for s in chunks if q_lens[s] < _AMX_MIN_ROWS]

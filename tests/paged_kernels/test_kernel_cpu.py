@@ -146,6 +146,30 @@ def test_rows_sharing_a_prefix_come_out_as_each_alone(paged_batch, bf16_cpu, dty
 
 
 @needs_prefill_kernel
+def test_decode_rows_and_short_chunks_go_to_the_kernel_in_one_call(paged_batch, monkeypatch):
+    """A step of decode rows and chunks of 2-7 tokens (decode rows with their draft tokens) is one
+    call of the row kernel, a row per token over its causal prefix: each row bit for bit what its
+    sequence gets alone (fp32), and what the reference says."""
+    calls = []
+    decode = cpu._native_decode
+    monkeypatch.setattr(cpu, "_native_decode", lambda *args: calls.append(args[5]) or decode(*args))
+    batch = paged_batch(q_lens=[1, 4, 2, 1, 7, 3], seq_lens=[150, 90, 37, 1, 200, 3], num_heads=6, num_kv_heads=2,
+                        head_dim=64, block_size=16, head_major=True)
+
+    together = cpu.cpu_paged_attention(*batch.args())
+
+    assert calls[0] == [150, 87, 88, 89, 90, 36, 37, 1, 194, 195, 196, 197, 198, 199, 200, 1, 2, 3]  # row lengths
+    assert len(calls) == 1
+    qsl = batch.query_start_loc.tolist()
+    for s in range(6):
+        alone = cpu.cpu_paged_attention(
+            batch.query[qsl[s]:qsl[s + 1]], batch.key_cache, batch.value_cache, batch.block_tables[s:s + 1],
+            torch.tensor([0, qsl[s + 1] - qsl[s]], dtype=torch.int32), batch.seq_lens[s:s + 1], batch.scale)
+        assert torch.equal(alone, together[qsl[s]:qsl[s + 1]]), s
+    torch.testing.assert_close(together, ref_paged_attention(*batch.args()), **TOLERANCE[torch.float32])
+
+
+@needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_with_amx_but_no_tile_kernel_long_bf16_chunks_go_to_sdpa(paged_batch, monkeypatch, dtype):
     """On a CPU with AMX whose tile kernel cannot run (Linux refused the tile registers, say),
