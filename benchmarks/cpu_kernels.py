@@ -10,7 +10,9 @@ quotes.
   under the kernel), and ``plain read``, torch's ``index_select`` copy of the same whole blocks.
 - ``prefill``: one sequence's prefill chunk (64, 288, 512 and 2,048 new tokens, no cached context,
   head-major bf16 and fp32 caches on shuffled blocks) through the C kernel, a row per token
-  (``paged_kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``paged_kernels.cpu._prefill``).
+  (``paged_kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``paged_kernels.cpu._prefill``);
+  then, on a CPU with AMX, a step's 32 chunks after 4 shared cached prefixes in one tile-kernel call
+  against a call per chunk.
 - ``fused``: ``paged_kernels.cpu_fused`` (RMSNorm after its residual add, rotary, SiLU(gate) * up of the
   fused gate/up output) against the torch code of ``worker_service.models`` at 32, 512 and 2,048
   tokens.
@@ -221,6 +223,46 @@ def prefill(rounds: int) -> None:
                 for name, t in times.items()) + f"; largest difference {diff:.1e}")
 
 
+def shared_prefix_step(rounds: int) -> None:
+    """A step that prefills 32 chunks of 64 tokens after 4 cached prefixes of 1,024 tokens (8 chunks
+    each, sharing the prefix's blocks), bf16 on AMX tiles: one call for the step against one call
+    per chunk (each lays out its whole context for the tiles)."""
+    if not cpu.amx_prefill_available(HEAD_DIM):
+        print("shared-prefix prefill step: no AMX tile kernel on this machine")
+        return
+    gen = torch.Generator().manual_seed(1)
+    chunks, new, prefix = 32, 64, 1024
+    per_seq = (prefix + new) // BLOCK
+    blocks = 4 * prefix // BLOCK + chunks * (new // BLOCK) + 8
+    k, v = (torch.randn(KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=gen).to(torch.bfloat16).permute(1, 2, 0, 3)
+            for _ in range(2))
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    prefixes = order[: 4 * prefix // BLOCK].view(4, prefix // BLOCK)
+    tails = order[4 * prefix // BLOCK:][: chunks * (new // BLOCK)].view(chunks, new // BLOCK)
+    tables = torch.cat([prefixes[torch.arange(chunks) % 4], tails], dim=1)  # [chunks, per_seq]
+    assert tables.shape[1] == per_seq
+    query = torch.randn(chunks * new, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(query)
+    starts, q_lens, lens = [s * new for s in range(chunks + 1)], [new] * chunks, [prefix + new] * chunks
+    scale = HEAD_DIM ** -0.5
+
+    def one_call() -> None:
+        cpu._amx_prefill_batch(query, k, v, tables, list(range(chunks)), starts, q_lens, lens, scale, out)
+
+    def per_chunk() -> None:
+        for s in range(chunks):
+            cpu._amx_prefill(query[starts[s]:starts[s + 1]], k, v, tables[s], lens[s], scale, out[starts[s]:starts[s + 1]])
+
+    cases = {"one call per chunk": per_chunk, "one call for the step": one_call}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
+            times[name].append(_timed(fn, 4))
+    print(f"shared-prefix prefill step (one layer: {chunks} chunks of {new} tokens after 4 cached prefixes of "
+          f"{prefix}), bf16 on AMX tiles: " + ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms"
+                                                        for name, t in times.items()))
+
+
 def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.Generator,
                  rounds: int) -> dict[str, float]:
     """Median seconds of each op at ``tokens`` tokens."""
@@ -285,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         decode(args.rounds, args.against, args.layers, args.blocks)
     if args.part in ("prefill", "all"):
         prefill(args.rounds)
+        shared_prefix_step(args.rounds)
     if args.part in ("fused", "all"):
         fused(args.rounds)
     print(f"load average at end {os.getloadavg()}")
