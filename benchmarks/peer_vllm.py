@@ -244,11 +244,12 @@ SERVED_KEYS = ("completed", "duration", "output_throughput", "request_throughput
 def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, max_num_batched_tokens: int,
                    dtype: str, kv_cache_bytes: int, threads: int, out: Path, tag: str = "",
                    num_speculative_tokens: int | None = None, vllm_ngram: bool = False,
-                   vllm_dir: Path = DEFAULT_DIR) -> dict[str, Any]:
+                   policy: str | None = None, vllm_dir: Path = DEFAULT_DIR) -> dict[str, Any]:
     """``vllm serve`` and ``pagedserve serve`` one after the other, each driven by ``vllm bench serve
     bench_args`` (the same arguments); both results side by side, with the ratios, JSON + PNG.
     ``num_speculative_tokens``: pagedserve's draft tokens (None: its default); ``vllm_ngram``: vLLM
-    with its own n-gram speculation, at pagedserve's draft settings."""
+    with its own n-gram speculation, at pagedserve's draft settings; ``policy``: pagedserve's
+    scheduling policy (None: its default, fcfs, as vLLM's)."""
     from pagedserve.launcher import Stack, StackConfig, free_port
     from servicekit.flags import settings_argv
 
@@ -268,7 +269,8 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
                                port=free_port(), http_port=http_port, scheduler_port=free_port(),
                                worker_port=free_port(), log_level="WARNING",
                                **({} if num_speculative_tokens is None
-                                  else {"num_speculative_tokens": num_speculative_tokens}))
+                                  else {"num_speculative_tokens": num_speculative_tokens}),
+                               **({} if policy is None else {"policy": policy}))
     drafts = {"num_speculative_tokens": stack_config.num_speculative_tokens,
               "prompt_lookup_min": stack_config.prompt_lookup_min, "prompt_lookup_max": stack_config.prompt_lookup_max}
     port = free_port()

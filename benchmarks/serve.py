@@ -328,6 +328,8 @@ def plot(results: list[RequestResult], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from servicekit.contract.scheduling import POLICIES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", help="benchmark a running gateway")
@@ -341,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="--peer vllm: pagedserve's draft tokens per step (n-gram speculation; default: its own, "
                              "0: off)")
+    parser.add_argument("--policy", choices=POLICIES, default=None,
+                        help="--peer vllm and --start-stack: pagedserve's scheduling policy (default: its own, fcfs; "
+                             "lpm: the longest cached prompt prefix first)")
     parser.add_argument("--vllm-ngram", action="store_true",
                         help="--peer vllm: run vllm serve with its own n-gram speculation at pagedserve's draft "
                              "settings (--speculative-config)")
@@ -430,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
             stack = Stack(StackConfig(model=args.model, max_num_seqs=args.max_num_seqs,
                                       kv_cache_memory=args.kv_cache_memory or None, port=free_port(),
                                       http_port=http_port, scheduler_port=free_port(), worker_port=free_port(),
-                                      log_level="WARNING", worker_args=tuple(args.worker_arg)))
+                                      log_level="WARNING", worker_args=tuple(args.worker_arg),
+                                      **({} if args.policy is None else {"policy": args.policy})))
             address = stack.start()
             http_url = f"http://127.0.0.1:{http_port}/v1"
         llm = None
@@ -533,7 +539,7 @@ def serve_vs_peer(args: argparse.Namespace, bench_args: list[str]) -> int:
         dtype=choose_dtype("auto", torch.device("cpu")).name,
         kv_cache_bytes=parse_memory(args.kv_cache_memory or "1GiB"), threads=threads, out=args.out,
         tag=f"-{args.tag}" if args.tag else "", num_speculative_tokens=args.num_speculative_tokens,
-        vllm_ngram=args.vllm_ngram)
+        vllm_ngram=args.vllm_ngram, policy=args.policy)
     for name in ("pagedserve", "vllm"):
         r = result[name]
         print(f"{name:10s} {r['output_throughput']:8.1f} output tok/s  TTFT median {r['median_ttft_ms']:8.1f} ms "

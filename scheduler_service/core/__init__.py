@@ -5,7 +5,12 @@ from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.kv_cache_utils import FreeBlockQueue, KVCacheBlock, hash_block_tokens
 from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler, SchedulerStats
-from scheduler_service.core.waiting_queue import FCFSWaitingQueue, PriorityWaitingQueue, create_waiting_queue
+from scheduler_service.core.waiting_queue import (
+    FCFSWaitingQueue,
+    LPMWaitingQueue,
+    PriorityWaitingQueue,
+    create_waiting_queue,
+)
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.scheduling import SchedulingConfig
@@ -21,7 +26,7 @@ from servicekit.contract.step import (
 from servicekit.contract.worker import WorkerDescription
 
 __all__ = [
-    "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSWaitingQueue", "FinishReason", "FreeBlockQueue",
+    "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSWaitingQueue", "FinishReason", "LPMWaitingQueue", "FreeBlockQueue",
     "InvalidArgumentError", "KVCacheBlock", "KVCacheManager", "ModelRunnerOutput", "NewRequestData",
     "PriorityWaitingQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulingConfig",
     "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "WorkerDescription", "create_waiting_queue", "hash_block_tokens",

@@ -242,6 +242,10 @@ class Scheduler:
 
         # Phase 2: admit waiting requests (not in a step that had to preempt: memory is short).
         waiting = self.waiting
+        lpm = cfg.policy == "lpm" and not preempted and bool(waiting) and budget > 0 and len(running) < cfg.max_num_seqs
+        if lpm:  # the longest cached prefix first (waiting_queue.LPMWaitingQueue)
+            waiting.reorder(lambda r: len(kv.get_computed_blocks(r)[0]))
+            num_running = len(running)
         while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             request = waiting.peek()
             computed_blocks, num_computed = kv.get_computed_blocks(request)
@@ -275,6 +279,8 @@ class Scheduler:
                 rid, list(request.prompt_token_ids), request.output_token_ids,
                 request.sampling_params, kv.get_block_ids(rid), num_computed))
 
+        if lpm:
+            waiting.passed_over(running[num_running:])
         for request in drafted.values():  # sent (in ``spec_tokens``) or not: either way used up
             request.spec_token_ids = []
         output = SchedulerOutput(

@@ -1,13 +1,13 @@
-"""Waiting queues: first-come-first-served and priority (seed §2.3), and fair shares between
-tenants (the virtual token counter of Sheng et al., "Fairness in Serving Large Language Models",
-OSDI 2024)."""
+"""Waiting queues: first-come-first-served and priority (seed §2.3), fair shares between tenants
+(the virtual token counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI
+2024), and the longest cached prefix first (SGLang's "lpm" policy)."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from scheduler_service.core.request import Request
@@ -274,10 +274,66 @@ class FairWaitingQueue:
         return (e[5] for e in sorted(entries, key=lambda e: e[:5]))
 
 
+LPM_WINDOW = 128  # requests at the front that the lpm policy orders; those behind wait in arrival order
+LPM_MAX_PASSED = 4  # steps a request may see later arrivals admitted before it goes first
+
+
+class LPMWaitingQueue(FCFSWaitingQueue):
+    """The longest cached prefix first (SGLang's "lpm" policy): a request whose prompt the prefix
+    cache mostly holds is cheap to admit, and in a burst of prompts sharing a prefix the ones that
+    find it cached get their first tokens while the rest still prefill. Before each step's
+    admissions the scheduler calls :meth:`reorder`: the first :data:`LPM_WINDOW` requests go by
+    cached prefix (longest first), then arrival; a request that saw later arrivals admitted before
+    it in :data:`LPM_MAX_PASSED` steps (:meth:`passed_over`) goes first, so none starves. With no
+    prefix cached anywhere the order is arrival order. A preempted request goes back to the front
+    (``prepend``) until the next reorder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._passed: dict[int, int] = {}  # id(request) -> steps it was passed over (while queued)
+
+    def reorder(self, cached_blocks: Callable[[Request], int]) -> None:
+        """Order the front of the queue by ``cached_blocks(request)`` (its cached prefix, in blocks)."""
+        queue, passed = self._queue, self._passed
+        window = [queue.popleft() for _ in range(min(len(queue), LPM_WINDOW))]
+        window.sort(key=lambda r: (passed.get(id(r), 0) < LPM_MAX_PASSED, -cached_blocks(r), r.arrival_time))
+        queue.extendleft(reversed(window))
+
+    def passed_over(self, admitted: Iterable[Request]) -> None:
+        """After a step's admissions: each request still queued in the window that arrived before
+        one of ``admitted`` was passed over once more."""
+        latest = max((r.arrival_time for r in admitted), default=None)
+        if latest is None:
+            return
+        for k, request in enumerate(self._queue):
+            if k >= LPM_WINDOW:
+                break
+            if request.arrival_time < latest:
+                self._passed[id(request)] = self._passed.get(id(request), 0) + 1
+
+    def pop(self) -> Request:
+        request = super().pop()
+        self._passed.pop(id(request), None)
+        return request
+
+    def remove(self, request: Request) -> None:
+        super().remove(request)
+        self._passed.pop(id(request), None)
+
+    def remove_many(self, requests: Iterable[Request]) -> None:
+        requests = list(requests)
+        super().remove_many(requests)
+        for request in requests:
+            self._passed.pop(id(request), None)
+
+
 def create_waiting_queue(policy: str, weights: dict[str, float] | None = None):
-    """The queue for a scheduling policy ("fcfs", "priority" or "fair", with tenants' ``weights``)."""
+    """The queue for a scheduling policy ("fcfs", "priority", "fair", with tenants' ``weights``,
+    or "lpm")."""
     if policy == "fcfs":
         return FCFSWaitingQueue()
+    if policy == "lpm":
+        return LPMWaitingQueue()
     if policy == "priority":
         return PriorityWaitingQueue()
     if policy == "fair":

@@ -6,6 +6,8 @@ does per layer, so a hit on a block that another request of the same step fills 
 
 from __future__ import annotations
 
+from scheduler_service.core.waiting_queue import LPM_MAX_PASSED
+
 from .helpers import FakeWorker, make_prompt, make_request, make_scheduler
 
 
@@ -113,4 +115,56 @@ def test_a_request_preempted_after_filling_blocks_in_its_step_leaves_no_hit_on_t
     s.update_from_output(out, worker.execute(out))
     delivered = play(s, worker)  # background resumes and recomputes; every context checks out
     assert delivered[background.request_id] == [1000, 1001]
+    s.kv_cache_manager.block_pool.check_invariants()
+
+
+def test_lpm_admits_requests_finding_their_prefix_cached_before_earlier_ones():
+    """Policy lpm: with a shared prefix cached, the requests that find it go before an earlier
+    request that finds nothing, in a step whose budget cannot take them all; FCFS keeps arrival
+    order. The passed-over request goes first after LPM_MAX_PASSED such steps."""
+    system = make_prompt(32, "system")  # 8 full blocks
+    order = {}
+    for policy in ("fcfs", "lpm"):
+        s = make_scheduler(policy=policy, max_num_batched_tokens=40, shared_prefill_token_threshold=0)
+        worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn)
+        first = make_request(prompt_token_ids=system + [7, 8], max_tokens=2, request_id="first")
+        s.add_request(first)
+        out = s.schedule()  # first computes the prefix
+        s.update_from_output(out, worker.execute(out))
+        cold = make_request(36, max_tokens=2, request_id="cold")  # arrives first, nothing cached
+        warm = [make_request(prompt_token_ids=system + [20 + i], max_tokens=2, request_id=f"warm{i}") for i in range(3)]
+        for r in (cold, *warm):
+            s.add_request(r)
+        out = s.schedule()
+        order[policy] = [n.request_id for n in out.scheduled_new_reqs]
+        s.update_from_output(out, worker.execute(out))
+        play(s, worker)
+        s.kv_cache_manager.block_pool.check_invariants()
+    assert order["fcfs"][0] == "cold"
+    assert order["lpm"][:3] == ["warm0", "warm1", "warm2"]  # 1 token each, then cold's chunk
+
+
+def test_lpm_lets_a_passed_over_request_go_first():
+    """Policy lpm: a request that finds nothing cached, behind a stream of requests that find
+    their prefix and fill every step's budget, is admitted after at most LPM_MAX_PASSED steps."""
+    system = make_prompt(32, "system")
+    s = make_scheduler(policy="lpm", max_num_batched_tokens=8, shared_prefill_token_threshold=0, max_num_seqs=64)
+    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn)
+    s.add_request(make_request(prompt_token_ids=system + [7], max_tokens=1, request_id="seed"))
+    play(s, worker)
+    s.add_request(make_request(24, max_tokens=1, request_id="cold"))
+    admitted_before_cold = 0
+    for step in range(20):
+        for k in range(8):  # eight later arrivals a step, each 1 token past the cached prefix: a full budget
+            s.add_request(make_request(prompt_token_ids=system + [100 + 8 * step + k], max_tokens=1))
+        out = s.schedule()
+        ids = [n.request_id for n in out.scheduled_new_reqs]
+        s.update_from_output(out, worker.execute(out))
+        if "cold" in ids:
+            break
+        admitted_before_cold += len(ids)
+    else:
+        raise AssertionError("cold was never admitted")
+    assert admitted_before_cold == 8 * LPM_MAX_PASSED and step == LPM_MAX_PASSED
+    play(s, worker)
     s.kv_cache_manager.block_pool.check_invariants()

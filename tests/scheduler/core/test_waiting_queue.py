@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core import FCFSWaitingQueue, PriorityWaitingQueue, create_waiting_queue
+from scheduler_service.core import FCFSWaitingQueue, LPMWaitingQueue, PriorityWaitingQueue, create_waiting_queue
+from scheduler_service.core.waiting_queue import LPM_MAX_PASSED
 
 from .helpers import make_request
 
@@ -40,6 +41,37 @@ def test_priority_order_is_priority_then_arrival_then_insertion():
         q.remove(early_lazy)
     q.prepend(early_lazy)  # a preempted request goes back by its key
     assert [q.pop() for _ in range(len(q))] == [late_urgent, tie_second, early_lazy]
+
+
+def test_lpm_orders_by_cached_prefix_then_arrival_and_lets_none_starve():
+    q = LPMWaitingQueue()
+    first, second, third, fourth = (make_request(2, arrival_time=float(t)) for t in range(4))
+    for r in (first, second, third, fourth):
+        q.add(r)
+    cached = {id(first): 0, id(second): 5, id(third): 0, id(fourth): 5}
+    q.reorder(lambda r: cached[id(r)])
+    assert list(q) == [second, fourth, first, third]  # longest cached prefix first, then arrival
+    assert q.pop() is second and q.pop() is fourth
+    for _ in range(LPM_MAX_PASSED):  # later arrivals admitted before first and third ...
+        q.passed_over([make_request(2, arrival_time=9.0)])
+        q.reorder(lambda r: {id(first): 0, id(third): 0}.get(id(r), 7))
+    late = make_request(2, arrival_time=10.0)
+    q.add(late)
+    cached[id(late)] = 9
+    q.reorder(lambda r: cached[id(r)])
+    assert list(q) == [first, third, late]  # ... so they go before any cached prefix now
+    q.remove(first)
+    q.passed_over([third])  # nobody queued arrived before the admitted one: nobody passed over
+    assert q.pop() is third and q.pop() is late and not q
+
+
+def test_lpm_without_a_cached_prefix_is_arrival_order():
+    q = create_waiting_queue("lpm")
+    requests = [make_request(2, arrival_time=float(t)) for t in (3, 1, 2)]
+    for r in requests:
+        q.add(r)
+    q.reorder(lambda r: 0)
+    assert list(q) == sorted(requests, key=lambda r: r.arrival_time)
 
 
 def test_unknown_policy():
