@@ -137,8 +137,8 @@ static inline __attribute__((always_inline)) void rescale_rows(float *o, const f
 /* Head size 64: O's four 16-dim tiles stay in tile registers from block to block (the tile
  * products add into them), stored and rescaled only in a block where some row's maximum rose. The
  * other tiles are then two for S and one each for A (Q, then P) and B (K, then V): all eight. */
-#define T_A 0
-#define T_B 2
+#define T_A T_Q /* 0 */
+#define T_B T_K /* 2 */
 #define T_O0 1
 #define T_O1 5
 #define T_O2 6
@@ -149,6 +149,29 @@ static inline __attribute__((always_inline)) void store_o64(float *o) {
     _tile_stored(T_O1, o + 16, 64 * sizeof(float));
     _tile_stored(T_O2, o + 32, 64 * sizeof(float));
     _tile_stored(T_O3, o + 48, 64 * sizeof(float));
+}
+
+/* Where 32-key block b of chunk s lies packed for KV head kv: K's tiles, then V's (slot_bytes / 2 in). */
+static inline __attribute__((always_inline)) const char *packed_block(const struct call *c, const struct chunk *s,
+                                                                      int kv, int b) {
+    return c->packed + ((int64_t)s->slots[b] * c->num_kv_heads + kv) * slot_bytes(c->head_dim);
+}
+
+/* S = Q K^T of one 32-key block into sc (16 rows of 32 fp32): two tile products per 32 head dims.
+ * Uses the tiles T_Q and T_K (the head-size-64 path's T_A and T_B) and T_S0, T_S1. */
+static inline __attribute__((always_inline)) void block_scores(const bf16_t *qbase, int64_t qstride,
+                                                               const uint32_t *kt, int halves, float *sc) {
+    _tile_zero(T_S0);
+    _tile_zero(T_S1);
+    for (int h = 0; h < halves; h++) {
+        _tile_loadd(T_Q, qbase + h * 32, qstride);
+        _tile_loadd(T_K, kt + h * 256, 64);
+        _tile_dpbf16ps(T_S0, T_Q, T_K);
+        _tile_loadd(T_K, kt + (halves + h) * 256, 64);
+        _tile_dpbf16ps(T_S1, T_Q, T_K);
+    }
+    _tile_stored(T_S0, sc, KB * sizeof(float));
+    _tile_stored(T_S1, sc + 16, KB * sizeof(float));
 }
 
 /* One query head's block of up to 16 tokens starting at token i0 of chunk `s`. */
@@ -188,23 +211,9 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
         _tile_zero(T_O2);
         _tile_zero(T_O3);
         for (int b = 0; b < num_kblocks; b++) {
-            const char *slot = c->packed + ((int64_t)s->slots[b] * c->num_kv_heads + kv) * stride;
-            const uint32_t *kt = (const uint32_t *)slot;
+            const char *slot = packed_block(c, s, kv, b);
             const bf16_t *vv = (const bf16_t *)(slot + stride / 2);
-            _tile_zero(T_S0);
-            _tile_zero(T_S1);
-            _tile_loadd(T_A, qbase, qstride);
-            _tile_loadd(T_B, kt, 64);
-            _tile_dpbf16ps(T_S0, T_A, T_B);
-            _tile_loadd(T_B, kt + 2 * 256, 64);
-            _tile_dpbf16ps(T_S1, T_A, T_B);
-            _tile_loadd(T_A, qbase + 32, qstride);
-            _tile_loadd(T_B, kt + 256, 64);
-            _tile_dpbf16ps(T_S0, T_A, T_B);
-            _tile_loadd(T_B, kt + 3 * 256, 64);
-            _tile_dpbf16ps(T_S1, T_A, T_B);
-            _tile_stored(T_S0, sc, KB * sizeof(float));
-            _tile_stored(T_S1, sc + 16, KB * sizeof(float));
+            block_scores(qbase, qstride, (const uint32_t *)slot, 2, sc);
             if (block_softmax(c, sc, p, m, threshold, alpha, lacc, ctx, i0, b) && b > 0) {
                 store_o64(o); /* some row's maximum rose: its sums so far scale down */
                 rescale_rows(o, alpha, 64);
@@ -227,20 +236,9 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
     } else {
         memset(o, 0, (size_t)QB * D * sizeof(float));
         for (int b = 0; b < num_kblocks; b++) {
-            const char *slot = c->packed + ((int64_t)s->slots[b] * c->num_kv_heads + kv) * stride;
-            const uint32_t *kt = (const uint32_t *)slot;
+            const char *slot = packed_block(c, s, kv, b);
             const bf16_t *vv = (const bf16_t *)(slot + stride / 2);
-            _tile_zero(T_S0);
-            _tile_zero(T_S1);
-            for (int h = 0; h < halves; h++) {
-                _tile_loadd(T_Q, qbase + h * 32, qstride);
-                _tile_loadd(T_K, kt + h * 256, 64);
-                _tile_dpbf16ps(T_S0, T_Q, T_K);
-                _tile_loadd(T_K, kt + (halves + h) * 256, 64);
-                _tile_dpbf16ps(T_S1, T_Q, T_K);
-            }
-            _tile_stored(T_S0, sc, KB * sizeof(float));
-            _tile_stored(T_S1, sc + 16, KB * sizeof(float));
+            block_scores(qbase, qstride, (const uint32_t *)slot, halves, sc);
             block_softmax(c, sc, p, m, threshold, alpha, lacc, ctx, i0, b);
             _tile_loadd(T_P, p, KB * sizeof(bf16_t));
             for (int t = 0; t < dtiles; t++) {
@@ -265,9 +263,6 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
     }
 }
 
-int amx_prefill_available(int head_dim) {
-    return (head_dim == 64 || head_dim == 128) && amx_permitted();
-}
 
 /* A buffer per calling thread, kept from call to call (a fresh one would fault its pages in at
  * every layer) and grown to the largest need seen; NULL if it cannot grow. */
@@ -406,6 +401,17 @@ static int run_group(const struct call *base, const bf16_t *key_cache, const bf1
     return 0;
 }
 
+#endif
+
+int amx_prefill_available(int head_dim) {
+#ifdef HAVE_AMX_TILES
+    return (head_dim == 64 || head_dim == 128) && amx_permitted();
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
 /* Prefill chunks of several sequences in one call. Sequence i's chunk is q_lens[i] query tokens,
  * the last of its seq_lens[i] positions, at rows q_starts[i].. of q and out; its block table is row
  * table_rows[i] of block_tables (bt_stride entries per row, int32). Token j attends to the first
@@ -422,6 +428,13 @@ int amx_prefill_attention_batch(const bf16_t *q, int64_t q_tok, int64_t q_head, 
                                 const int32_t *seq_lens, const int32_t *q_lens, const int32_t *q_starts, int num_seqs,
                                 bf16_t *out, int64_t o_tok, int64_t o_head, int num_heads, int num_kv_heads,
                                 int head_dim, int block_size, float scale, int64_t packed_budget, int num_threads) {
+#ifndef HAVE_AMX_TILES
+    (void)q, (void)q_tok, (void)q_head, (void)key_cache, (void)value_cache, (void)s_block, (void)s_pos;
+    (void)s_head, (void)block_tables, (void)bt_stride, (void)table_rows, (void)seq_lens, (void)q_lens;
+    (void)q_starts, (void)num_seqs, (void)out, (void)o_tok, (void)o_head, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)block_size, (void)scale, (void)packed_budget, (void)num_threads;
+    return -1;
+#else
     if (!amx_prefill_available(head_dim) || num_heads % num_kv_heads || num_seqs < 1)
         return -1;
     for (int s = 0; s < num_seqs; s++)
@@ -446,26 +459,5 @@ int amx_prefill_attention_batch(const bf16_t *q, int64_t q_tok, int64_t q_head, 
         s0 = s1;
     }
     return 0;
-}
-
-#else
-
-int amx_prefill_available(int head_dim) {
-    (void)head_dim;
-    return 0;
-}
-
-int amx_prefill_attention_batch(const bf16_t *q, int64_t q_tok, int64_t q_head, const bf16_t *key_cache,
-                                const bf16_t *value_cache, int64_t s_block, int64_t s_pos, int64_t s_head,
-                                const int32_t *block_tables, int64_t bt_stride, const int32_t *table_rows,
-                                const int32_t *seq_lens, const int32_t *q_lens, const int32_t *q_starts, int num_seqs,
-                                bf16_t *out, int64_t o_tok, int64_t o_head, int num_heads, int num_kv_heads,
-                                int head_dim, int block_size, float scale, int64_t packed_budget, int num_threads) {
-    (void)q, (void)q_tok, (void)q_head, (void)key_cache, (void)value_cache, (void)s_block, (void)s_pos;
-    (void)s_head, (void)block_tables, (void)bt_stride, (void)table_rows, (void)seq_lens, (void)q_lens;
-    (void)q_starts, (void)num_seqs, (void)out, (void)o_tok, (void)o_head, (void)num_heads, (void)num_kv_heads;
-    (void)head_dim, (void)block_size, (void)scale, (void)packed_budget, (void)num_threads;
-    return -1;
-}
-
 #endif
+}
