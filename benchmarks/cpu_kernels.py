@@ -251,7 +251,8 @@ def shared_prefix_step(rounds: int) -> None:
 
     def per_chunk() -> None:
         for s in range(chunks):
-            cpu._amx_prefill(query[starts[s]:starts[s + 1]], k, v, tables[s], lens[s], scale, out[starts[s]:starts[s + 1]])
+            rows = slice(starts[s], starts[s + 1])
+            cpu._amx_prefill(query[rows], k, v, tables[s], lens[s], scale, out[rows])
 
     cases = {"one call per chunk": per_chunk, "one call for the step": one_call}
     times: dict[str, list[float]] = {name: [] for name in cases}

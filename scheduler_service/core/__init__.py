@@ -26,8 +26,8 @@ from servicekit.contract.step import (
 from servicekit.contract.worker import WorkerDescription
 
 __all__ = [
-    "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSWaitingQueue", "FinishReason", "LPMWaitingQueue", "FreeBlockQueue",
-    "InvalidArgumentError", "KVCacheBlock", "KVCacheManager", "ModelRunnerOutput", "NewRequestData",
+    "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSWaitingQueue", "FinishReason", "FreeBlockQueue",
+    "InvalidArgumentError", "KVCacheBlock", "KVCacheManager", "LPMWaitingQueue", "ModelRunnerOutput", "NewRequestData",
     "PriorityWaitingQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulingConfig",
     "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "WorkerDescription", "create_waiting_queue", "hash_block_tokens",
 ]

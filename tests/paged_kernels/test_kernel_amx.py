@@ -107,9 +107,9 @@ def chunks_sharing_a_prefix(paged_batch, *, prefix_blocks: int, block_size: int)
 def alone(batch, s: int) -> torch.Tensor:
     """Sequence ``s``'s rows when it is the only sequence of the call."""
     qsl = batch.query_start_loc.tolist()
+    one = torch.tensor([0, qsl[s + 1] - qsl[s]], dtype=torch.int32)
     return cpu.cpu_paged_attention(batch.query[qsl[s]:qsl[s + 1]], batch.key_cache, batch.value_cache,
-                                   batch.block_tables[s:s + 1], torch.tensor([0, qsl[s + 1] - qsl[s]], dtype=torch.int32),
-                                   batch.seq_lens[s:s + 1], batch.scale)
+                                   batch.block_tables[s:s + 1], one, batch.seq_lens[s:s + 1], batch.scale)
 
 
 @needs_amx
