@@ -339,12 +339,17 @@ def _paged_attention(
     row_seqs = [s for s in range(num_seqs) if as_rows[s]]
     if row_seqs:
         seq_of_row = [s for s in row_seqs for _ in range(q_lens[s])]
-        rows = torch.tensor([qsl[s] + j for s in row_seqs for j in range(q_lens[s])], device=query.device)
         row_lens = [lens[s] - q_lens[s] + j + 1 for s in row_seqs for j in range(q_lens[s])]
-        row_out = torch.empty_like(query[rows])
-        decode(query[rows], key_cache, value_cache, block_tables[torch.tensor(seq_of_row, device=query.device)],
-               torch.tensor(row_lens, dtype=seq_lens.dtype, device=seq_lens.device), row_lens, scale, row_out)
-        out[rows] = row_out
+        row_tables = block_tables.index_select(0, torch.tensor(seq_of_row, device=block_tables.device))
+        row_seq_lens = torch.tensor(row_lens, dtype=seq_lens.dtype, device=seq_lens.device)
+        if len(row_seqs) == num_seqs:  # every token is a row (decode rows and drafts): in place
+            decode(query, key_cache, value_cache, row_tables, row_seq_lens, row_lens, scale, out)
+            return out
+        rows = torch.tensor([qsl[s] + j for s in row_seqs for j in range(q_lens[s])], device=query.device)
+        row_query = query.index_select(0, rows)
+        row_out = torch.empty_like(row_query)
+        decode(row_query, key_cache, value_cache, row_tables, row_seq_lens, row_lens, scale, row_out)
+        out.index_copy_(0, rows, row_out)
     chunks = [s for s in range(num_seqs) if not as_rows[s]]
     on_tiles = [s for s in chunks if q_lens[s] >= _AMX_MIN_ROWS]
     if _amx_prefill_batch(query, key_cache, value_cache, block_tables, on_tiles, qsl, q_lens, lens, scale, out):
