@@ -97,16 +97,18 @@ class ModelRunner:
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
         self.num_packed_linears = 0
+        self.small_gemm = False  # whether decode steps' GEMMs run on paged_kernels.small_gemm
         malloc_tuned = False
         if self.device.type == "cpu":
             malloc_tuned = config.tune_malloc and cpu_memory.tune_malloc()
             # only a change from the defaults is passed on: the defaults leave the environment its say
             native.configure(enabled=None if config.native_kernels else False, cache_dir=config.kernel_cache or None)
             if config.prepack_weights:
-                self.num_packed_linears = cpu_gemm.prepack(self.model)
+                self.num_packed_linears = cpu_gemm.prepack(self.model, small=config.small_gemm)
+                self.small_gemm = cpu_gemm.small_gemm_layers(self.model) > 0
                 if self.num_packed_linears:
-                    log.info("%d GEMM weights laid out for oneDNN (bf16, once at load)",
-                             self.num_packed_linears)
+                    log.info("%d GEMM weights laid out for oneDNN (bf16, once at load)%s", self.num_packed_linears,
+                             "; the layers' also for the small-batch AMX GEMM" if self.small_gemm else "")
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         if malloc_tuned:  # freed heap is kept: worth faulting the activation memory in now

@@ -1,5 +1,6 @@
 """bf16 linear weights laid out once for oneDNN (``worker_service.models.cpu_gemm``): the same tokens
-as ``F.linear``, bit for bit, and nothing packed where it would change results (fp32) or cannot run."""
+as ``F.linear``, bit for bit, and nothing packed where it would change results (fp32) or cannot run;
+with the small-batch AMX GEMM (``small_gemm``) beside it, steps of at most 64 rows on its tiles."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from paged_kernels import small_gemm
 from worker.factories import make_hf_model, make_runner, new_req, random_prompts, step
 from worker_service.models import cpu_gemm
 from worker_service.models.cpu_gemm import PackedLinear
@@ -40,7 +42,7 @@ def _greedy_tokens(runner, prompts, num_decodes=3):
 
 def test_packed_bf16_linears_give_the_same_tokens_bit_for_bit(hf):
     plain = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=False)
-    packed = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    packed = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True, small_gemm=False)
     assert plain.num_packed_linears == 0
     # qkv, o, gate_up, down per layer, and the LM head's packed copy (its plain weight stays)
     assert packed.num_packed_linears == 4 * len(packed.model.layers) + 1
@@ -90,8 +92,8 @@ def test_row_counts_are_padded_to_few_buckets():
 def test_a_packed_model_pads_its_rows_and_the_tokens_stay_the_same(hf):
     """The padding rows of a forward pass are dead tokens: the same tokens come out as with a
     model that pads nothing (prefill chunks and decodes of a few rows, none a bucket's size)."""
-    padded = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
-    unpadded = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    padded = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True, small_gemm=False)
+    unpadded = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True, small_gemm=False)
     unpadded.model.pad_rows = None
     assert padded.model.pad_rows is cpu_gemm.padded_rows
     rows = []
@@ -102,3 +104,45 @@ def test_a_packed_model_pads_its_rows_and_the_tokens_stay_the_same(hf):
         got = _greedy_tokens(padded, prompts)
     assert set(rows) == {32, 8}  # 31 prompt tokens, then 3 rows that sample or decode
     assert got == _greedy_tokens(unpadded, prompts)
+
+
+needs_amx = pytest.mark.skipif(not small_gemm.available(), reason="no AMX-BF16 tiles on this CPU")
+
+
+@needs_amx
+def test_small_batches_run_on_the_tile_kernel_and_larger_ones_on_onednn(hf):
+    runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    assert runner.small_gemm
+    assert cpu_gemm.small_gemm_layers(runner.model) == 4 * len(runner.model.layers)  # the LM head keeps oneDNN
+    qkv = runner.model.layers[0].attn.qkv
+    with torch.inference_mode():
+        for rows in (1, 8, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
+            x = torch.randn(rows, qkv.in_features).to(torch.bfloat16)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, qkv.packed_weight, qkv.bias, "none", [], "")
+            tiles = small_gemm.linear(x, qkv.small_weight, qkv.out_features, qkv.bias)  # Qwen2's qkv has a bias
+            assert torch.equal(qkv(x), tiles if rows <= small_gemm.MAX_ROWS else onednn)
+            torch.testing.assert_close(tiles.float(), onednn.float(), rtol=2**-8, atol=1e-6)
+
+
+@needs_amx
+def test_with_the_tile_kernel_a_request_decodes_the_same_alone_and_in_a_batch(hf):
+    """Every step here has at most 64 rows: each row's GEMMs, norms and attention are its own, and
+    greedy picks from logits whose top is recomputed in fp32; so a request's tokens do not depend
+    on the batch it is in."""
+    runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    prompts = random_prompts([9, 4, 17], seed=3)
+    together = _greedy_tokens(runner, prompts, num_decodes=6)
+    for i, prompt in enumerate(prompts):
+        assert _greedy_tokens(runner, [prompt], num_decodes=6)["r0"] == together[f"r{i}"]
+
+
+def test_without_amx_the_layers_keep_onednn(hf, monkeypatch):
+    monkeypatch.setattr(small_gemm, "available", lambda: False)
+    runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    assert runner.num_packed_linears and not runner.small_gemm
+    assert cpu_gemm.small_gemm_layers(runner.model) == 0
+
+
+def test_the_tile_kernel_can_be_turned_off(hf):
+    runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True, small_gemm=False)
+    assert runner.num_packed_linears and not runner.small_gemm

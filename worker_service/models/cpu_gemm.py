@@ -9,6 +9,11 @@ linears of a SmolLM2-135M layer: 1,273 → 1,102 µs at 64 rows, 227 → 128 µs
 at 2,048 rows; the LM head (49,152 x 576) 13.2 → 9.3 ms at 64 rows; outputs bit-identical to
 ``F.linear``.
 
+With ``small``, each decoder-layer weight gets a second layout too, for the AMX tile kernel of
+``paged_kernels.small_gemm`` (decode steps of at most 64 rows, where oneDNN's calls cost more
+than their memory traffic): not bit-identical to oneDNN (fp32 sums in another order), but each row's
+result independent of the batch.
+
 Only bf16 is packed: in fp32 oneDNN's GEMM rounds differently from the MKL one ``F.linear`` uses,
 and fp32 is the mode that keeps exact parity with transformers. The LM head's plain weight stays
 (the embedding and the logits' fp32 refinement read it): its packed copy costs one more copy of it.
@@ -24,6 +29,8 @@ import logging
 import torch
 from torch import nn
 
+from paged_kernels import small_gemm
+
 log = logging.getLogger(__name__)
 
 _OPS = ("_reorder_linear_weight", "_linear_pointwise")
@@ -32,22 +39,28 @@ _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 class PackedLinear(nn.Module):
     """``nn.Linear``'s forward over a weight in oneDNN's blocked layout (inference only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        # the layout of paged_kernels.small_gemm (rows up to its MAX_ROWS), or None: oneDNN alone
+        tiles = small and small_gemm.packable(weight) and (bias is None or bias.dtype == torch.bfloat16)
+        self.register_buffer("small_weight", small_gemm.pack(weight.detach()) if tiles else None, persistent=False)
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
+    def of(cls, linear: nn.Linear, small: bool = False) -> PackedLinear:
+        return cls(linear.weight, linear.bias, small)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.small_weight is not None and 0 < x.shape[0] <= small_gemm.MAX_ROWS:
+            return small_gemm.linear(x, self.small_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"small_gemm={self.small_weight is not None}")
 
 
 # oneDNN (through ideep) keeps a compiled primitive per GEMM shape it meets, up to 1,024 of them
@@ -93,12 +106,14 @@ def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
         return torch.equal(packed(x), nn.functional.linear(x, linear.weight, linear.bias))
 
 
-def prepack(model: nn.Module) -> int:
+def prepack(model: nn.Module, small: bool = False) -> int:
     """Lay out ``model``'s GEMM weights for oneDNN: every ``nn.Linear`` of its decoder layers
     (``model.layers``) becomes a :class:`PackedLinear`, the LM head (tied or not) gets a packed
     copy as ``model.head_gemm``, and the model pads its rows (``model.pad_rows``, see
-    :func:`padded_rows`). Returns how many weights were packed (0: the model is as it was)."""
-    num_packed = prepack_linears(model.layers)
+    :func:`padded_rows`). ``small``: the decoder layers' weights get the small-batch kernel's layout
+    too, where it runs (``paged_kernels.small_gemm.available``). Returns how many weights were
+    packed (0: the model is as it was)."""
+    num_packed = prepack_linears(model.layers, small)
     if num_packed:
         head = model.embed.weight if model.lm_head is None else model.lm_head.weight
         model.head_gemm = PackedLinear(head)  # a copy: the plain weight stays
@@ -107,9 +122,10 @@ def prepack(model: nn.Module) -> int:
     return num_packed
 
 
-def prepack_linears(layers: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``layers`` (the decoder layers) with a :class:`PackedLinear`;
-    returns how many were packed (0: kept as they were)."""
+def prepack_linears(layers: nn.Module, small: bool = False) -> int:
+    """Replace every ``nn.Linear`` under ``layers`` (the decoder layers) with a :class:`PackedLinear`
+    (``small``: with the small-batch kernel's layout too, where it runs); returns how many were
+    packed (0: kept as they were)."""
     targets = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if not targets:
@@ -125,7 +141,15 @@ def prepack_linears(layers: nn.Module) -> int:
     except RuntimeError as exc:  # an op missing a kernel for this CPU or dtype
         log.warning("cannot pack linear weights for oneDNN (%s): weights left unpacked", exc)
         return 0
-    setattr(first_parent, first_name, packed_first)  # the checked one, not packed a second time
+    small = small and small_gemm.available()
+    if small:
+        packed_first = PackedLinear.of(first, small)
+    setattr(first_parent, first_name, packed_first)  # the checked one
     for parent, name, linear in targets[1:]:
-        setattr(parent, name, PackedLinear.of(linear))
+        setattr(parent, name, PackedLinear.of(linear, small))
     return len(targets)
+
+
+def small_gemm_layers(model: nn.Module) -> int:
+    """How many of ``model``'s linears run small batches on ``paged_kernels.small_gemm``."""
+    return sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.small_weight is not None)

@@ -1,0 +1,163 @@
+/* A bf16 linear layer for the few rows of a decode step, on AMX tiles: y = bf16(x . W^T), fp32 sums.
+ *
+ * oneDNN's GEMM (worker_service.models.cpu_gemm) costs tens of microseconds a call beyond its
+ * memory traffic at 1-64 rows: a SmolLM2-135M decode step of one token spends ~13 ms in its 120
+ * decoder-layer GEMMs, reading 212 MB of weights at ~16 GB/s on a host that streams them at
+ * ~90 GB/s. Here the weight is laid out once (small_gemm_pack_bf16) as the B tiles of TDPBF16PS:
+ * per 16 output columns, line p holds the columns' input pairs (2p, 2p + 1), so the 16 lines of a
+ * 32-input block are one 1 KB tile, read straight from the packed weight. x needs no packing: a
+ * tile of 16 rows x 32 inputs is loaded with x's row stride. A work item is 16 output columns for
+ * all rows (up to SMALL_GEMM_MAX_ROWS: four C tiles of 16 rows), so each weight tile is read once.
+ *
+ * A bias (bf16) is added to the fp32 sums before the rounding, as oneDNN adds it.
+ *
+ * Each row's result depends on that row of x alone: the same in any batch (batch-invariant). It
+ * differs from oneDNN's only in the order of the fp32 sums; the tiles treat denormal inputs as zero.
+ *
+ * Without AMX (or where Linux refuses the process the tile registers) small_gemm_bf16_available()
+ * says 0 and callers keep oneDNN. Built by paged_kernels/native.py.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "amx_tiles.h"
+#include "bf16.h"
+
+#define GROUP 16            /* output columns per work item: one C tile's width */
+#define CHUNK_BLOCKS 4      /* row blocks of 16 whose C tiles a work item holds at once */
+
+int small_gemm_bf16_available(void)
+{
+#ifdef HAVE_AMX_TILES
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* packed[((c / 16) * (k / 2) + p) * 32 + (c % 16) * 2 + j] = w[c * ldw + 2p + j] for the weight w
+ * [n, k] (bf16 rows): n a multiple of 16, k of 32 (the caller checks). */
+void small_gemm_pack_bf16(const bf16_t *w, int64_t ldw, bf16_t *packed, int64_t n, int64_t k)
+{
+    const int64_t pairs = k / 2;
+    for (int64_t c = 0; c < n; c++) {
+        bf16_t *line = packed + (c / GROUP) * pairs * (2 * GROUP) + (c % GROUP) * 2;
+        const bf16_t *row = w + c * ldw;
+        for (int64_t p = 0; p < pairs; p++) {
+            line[p * 2 * GROUP] = row[2 * p];
+            line[p * 2 * GROUP + 1] = row[2 * p + 1];
+        }
+    }
+}
+
+#ifdef HAVE_AMX_TILES
+/* Tiles: C0..C3 the outputs of a chunk's row blocks 0..3 (16 rows each), A a block of x; the last
+ * row block of x (its rows may be fewer) goes to C_LAST and A_LAST; B the weight's tile. */
+#define T_C0 0
+#define T_C1 1
+#define T_C2 2
+#define T_C3 3
+#define T_A 4
+#define T_A_LAST 5
+#define T_B 6
+#define T_C_LAST 7
+
+static void configure(int last_rows)
+{
+    struct amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = t == T_A_LAST || t == T_C_LAST ? last_rows : 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* C += A(x's row block at xb) B, the block loaded into tile A. Tile numbers must be literals. */
+#define PRODUCT(C, A, xb)                      \
+    do {                                       \
+        _tile_loadd(A, (xb), ldx * 2);         \
+        _tile_dpbf16ps(C, A, T_B);             \
+    } while (0)
+
+static inline __attribute__((always_inline)) void store(int tile, float *acc, const bf16_t *bias, bf16_t *y,
+                                                         int64_t ldy, int rows)
+{
+    switch (tile) {
+    case T_C0: _tile_stored(T_C0, acc, GROUP * sizeof(float)); break;
+    case T_C1: _tile_stored(T_C1, acc, GROUP * sizeof(float)); break;
+    case T_C2: _tile_stored(T_C2, acc, GROUP * sizeof(float)); break;
+    case T_C3: _tile_stored(T_C3, acc, GROUP * sizeof(float)); break;
+    default: _tile_stored(T_C_LAST, acc, GROUP * sizeof(float)); break;
+    }
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
+                          : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(y + r * ldy),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * GROUP), b)));
+}
+
+/* Rows [row0, row0 + 16 * blocks) of y's 16 columns at y, with x's row block 0 at x (the chunk's
+ * first); `last`: the chunk's last block is x's last (C_LAST, last_rows rows). `wg`: the columns'
+ * packed weight, k / 32 tiles. */
+static inline __attribute__((always_inline)) void chunk(const bf16_t *x, int64_t ldx, const bf16_t *wg, int64_t k,
+                                                        const bf16_t *bias, bf16_t *y, int64_t ldy, int blocks,
+                                                        int last, int last_rows, float *acc)
+{
+    const int full = last ? blocks - 1 : blocks;  /* blocks in C0..C3 */
+    if (full > 0) _tile_zero(T_C0);
+    if (full > 1) _tile_zero(T_C1);
+    if (full > 2) _tile_zero(T_C2);
+    if (full > 3) _tile_zero(T_C3);
+    if (last) _tile_zero(T_C_LAST);
+    const bf16_t *xl = x + (int64_t)full * 16 * ldx;
+    for (int64_t kb = 0; kb < k / 32; kb++) {
+        const int64_t o = kb * 32;
+        _tile_loadd(T_B, wg + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
+        if (full > 0) PRODUCT(T_C0, T_A, x + o);
+        if (full > 1) PRODUCT(T_C1, T_A, x + 16 * ldx + o);
+        if (full > 2) PRODUCT(T_C2, T_A, x + 32 * ldx + o);
+        if (full > 3) PRODUCT(T_C3, T_A, x + 48 * ldx + o);
+        if (last) PRODUCT(T_C_LAST, T_A_LAST, xl + o);
+    }
+    for (int t = 0; t < full; t++)
+        store(T_C0 + t, acc, bias, y + (int64_t)16 * t * ldy, ldy, 16);
+    if (last)
+        store(T_C_LAST, acc, bias, y + (int64_t)16 * full * ldy, ldy, last_rows);
+}
+#endif
+
+/* y [rows, n] (row stride ldy) = bf16(x [rows, k] (row stride ldx) . W^T + bias), W packed by
+ * small_gemm_pack_bf16, bias [n] bf16 or NULL (added to the fp32 sums). Returns 0, or -1 where it cannot run (no AMX, or n not a multiple of 16,
+ * k of 32). Each work item is 16 columns of y; its weight (k / 32 tiles) is read from memory once
+ * and from the core's cache for each further chunk of 64 rows. */
+int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t ldy,
+                    int64_t rows, int64_t n, int64_t k, int num_threads)
+{
+#ifdef HAVE_AMX_TILES
+    if (rows < 1 || n % GROUP || k % 32 || !amx_permitted())
+        return -1;
+    const int64_t blocks = (rows + 15) / 16, group_elems = k * GROUP, groups = n / GROUP;
+    const int last_rows = (int)(rows - 16 * (blocks - 1));
+    #pragma omp parallel num_threads(num_threads)
+    {
+        configure(last_rows);
+        float acc[16 * GROUP] __attribute__((aligned(64)));
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            for (int64_t b0 = 0; b0 < blocks; b0 += CHUNK_BLOCKS) {
+                const int nb = (int)(blocks - b0 < CHUNK_BLOCKS ? blocks - b0 : CHUNK_BLOCKS);
+                chunk(x + b0 * 16 * ldx, ldx, packed + g * group_elems, k, bias ? bias + g * GROUP : NULL,
+                      y + b0 * 16 * ldy + g * GROUP, ldy, nb, b0 + nb == blocks, last_rows, acc);
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)packed; (void)bias; (void)y; (void)ldy; (void)rows; (void)n; (void)k; (void)num_threads;
+    return -1;
+#endif
+}

@@ -1,0 +1,74 @@
+"""A bf16 linear layer for the few rows of a decode step, on AMX tiles (``csrc/small_gemm_bf16.c``).
+
+At 1-64 rows oneDNN's GEMM costs far more than reading its weight: a SmolLM2-135M decode step of
+one token spends ~13 ms in its 120 decoder-layer GEMMs, ~8.5 ms of which reading the weights from
+memory needs. This kernel reads each weight once per call, laid out at load as the B tiles of the
+tile product (:func:`pack`: a second copy of the weight), and x as it is. Measured on a 2-core AMX
+host, SmolLM2-135M's 120 GEMMs (``benchmarks/cpu_kernels.py --part gemm``): see the README there.
+
+Each row's result depends on that row alone (the same in any batch); it differs from oneDNN's
+(``F.linear``) only in the order of the fp32 sums, in a few elements per hundred thousand by one
+bf16 step. Only where the CPU has AMX-BF16 and Linux grants the tile registers (:func:`available`);
+callers keep oneDNN elsewhere, and above :data:`MAX_ROWS` rows, where oneDNN is faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from paged_kernels import native
+
+_LIBRARY = "small_gemm_bf16"
+_P, _I64, _I32 = native.PTR, native.I64, native.INT
+MAX_ROWS = 64  # above, oneDNN's GEMM is faster (its tile kernels keep more of the product in flight)
+GROUP, K_BLOCK = 16, 32  # output columns per packed group, inputs per tile
+
+
+def available() -> bool:
+    """Whether the kernel runs here: built, with AMX-BF16 and the tile registers granted."""
+    fn = native.function(_LIBRARY, "small_gemm_bf16_available", [], ctypes.c_int)
+    return fn is not None and fn() == 1
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack` takes ``weight``: bf16 rows ``[out, in]``, ``out`` a multiple of 16 and
+    ``in`` of 32."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.stride(1) == 1 and weight.shape[0] % GROUP == 0 and weight.shape[1] % K_BLOCK == 0)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (bf16 rows) laid out as the kernel's B tiles: a new flat tensor of
+    ``out * in`` values (per 16 output columns, their input pairs line by line)."""
+    if not packable(weight):
+        raise ValueError(f"small_gemm.pack: weight must be bf16 rows [out, in] with out % {GROUP} == 0 and "
+                         f"in % {K_BLOCK} == 0 (got {weight.dtype} {tuple(weight.shape)})")
+    packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+    fn = native.function(_LIBRARY, "small_gemm_pack_bf16", [_P, _I64, _P, _I64, _I64])
+    if fn is None:
+        raise RuntimeError("the small-GEMM kernel could not be built here")
+    fn(weight.data_ptr(), weight.stride(0), packed.data_ptr(), weight.shape[0], weight.shape[1])
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` as bf16 ``[rows, out_features]`` for ``x`` bf16 rows ``[rows, in]`` (any
+    row stride), ``W`` packed by :func:`pack`, ``bias`` bf16 ``[out_features]`` or None (added to
+    the fp32 sums before rounding); ``1 <= rows``, best up to :data:`MAX_ROWS`."""
+    rows, in_features = x.shape
+    if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == out_features * in_features
+            and rows >= 1):
+        raise ValueError(f"small_gemm.linear: x must be bf16 rows [rows >= 1, {packed.numel() // max(out_features, 1)}] "
+                         f"(got {x.dtype} {tuple(x.shape)})")
+    if bias is not None and not (bias.dtype == torch.bfloat16 and bias.shape == (out_features,) and bias.is_contiguous()):
+        raise ValueError(f"small_gemm.linear: bias must be contiguous bf16 [{out_features}] "
+                         f"(got {bias.dtype} {tuple(bias.shape)})")
+    y = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    fn = native.function(_LIBRARY, "small_gemm_bf16", [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I32],
+                         ctypes.c_int)
+    if fn is None or fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                        y.data_ptr(), y.stride(0), rows, out_features, in_features, torch.get_num_threads()) != 0:
+        raise RuntimeError("the small-GEMM kernel cannot run here (see small_gemm.available)")
+    return y

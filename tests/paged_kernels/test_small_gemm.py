@@ -1,0 +1,109 @@
+"""The small-batch bf16 GEMM on AMX tiles (``paged_kernels.small_gemm``) against fp32 sums, its
+batch invariance, and the shapes it refuses. The products run where the CPU has AMX-BF16 and Linux
+grants the tile registers; the argument checks run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_kernels import small_gemm
+
+pytestmark = pytest.mark.kernel
+
+needs_amx = pytest.mark.skipif(not small_gemm.available(), reason="no AMX-BF16 tiles on this CPU")
+
+
+def _operands(rows: int, out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
+    return x, w
+
+
+def _assert_rounded_fp32_sums(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``y`` is the fp32 product rounded once to bf16: within one bf16 step of it (the sums' order
+    moves a value across a rounding boundary at most), and exactly it in nearly every element."""
+    exact = x.float() @ w.float().T
+    assert y.dtype == torch.bfloat16 and y.shape == exact.shape
+    torch.testing.assert_close(y.float(), exact, rtol=2**-8, atol=1e-6)
+    assert (y != exact.to(torch.bfloat16)).float().mean() < 1e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 48, 64, 65, 130])
+@pytest.mark.parametrize("shape", [(16, 32), (960, 576), (576, 1536)], ids=["one-tile", "qkv", "down"])
+def test_products_are_fp32_sums_rounded_once(rows, shape):
+    """Row blocks of 16 (whole and partial), chunks of 64 rows (several, the last partial), one
+    16-column group and one 32-input block up to a real layer's shapes."""
+    x, w = _operands(rows, *shape)
+    _assert_rounded_fp32_sums(small_gemm.linear(x, small_gemm.pack(w), shape[0]), x, w)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [3, 70])
+def test_a_bias_is_added_to_the_fp32_sums(rows):
+    x, w = _operands(rows, 48, 64, seed=2)
+    bias = torch.randn(48).to(torch.bfloat16)
+    y = small_gemm.linear(x, small_gemm.pack(w), 48, bias)
+    exact = x.float() @ w.float().T + bias.float()
+    torch.testing.assert_close(y.float(), exact, rtol=2**-8, atol=1e-6)
+    assert torch.equal(y[1], small_gemm.linear(x[1:2], small_gemm.pack(w), 48, bias)[0])
+
+
+@needs_amx
+def test_rows_of_a_strided_view():
+    """x may be a view with a wider row stride (e.g. part of a fused projection's output)."""
+    x, w = _operands(5, 48, 64)
+    wide = torch.zeros(5, 160, dtype=torch.bfloat16)
+    wide[:, 40:104] = x
+    view = wide[:, 40:104]
+    assert not view.is_contiguous()
+    assert torch.equal(small_gemm.linear(view, small_gemm.pack(w), 48), small_gemm.linear(x, small_gemm.pack(w), 48))
+
+
+@needs_amx
+def test_each_row_is_the_same_alone_and_in_any_batch():
+    x, w = _operands(70, 960, 576, seed=4)
+    packed = small_gemm.pack(w)
+    together = small_gemm.linear(x, packed, 960)
+    for lo, hi in [(0, 1), (16, 17), (63, 64), (64, 70), (5, 40), (30, 70)]:
+        assert torch.equal(small_gemm.linear(x[lo:hi], packed, 960), together[lo:hi]), (lo, hi)
+
+
+@needs_amx
+def test_special_values_pass_through():
+    """Infinities and NaN propagate as in any fp32 sum; zeros give zeros."""
+    x, w = _operands(3, 32, 64)
+    x[0] = 0
+    x[1, 5] = float("inf")
+    x[2, 7] = float("nan")
+    w = w.abs() + 0.01  # every product with the infinity is +inf
+    y = small_gemm.linear(x, small_gemm.pack(w), 32)
+    assert torch.equal(y[0], torch.zeros(32, dtype=torch.bfloat16))
+    assert torch.isinf(y[1]).all() and (y[1] > 0).all()
+    assert torch.isnan(y[2]).all()
+
+
+@pytest.mark.parametrize("weight", [
+    torch.zeros(24, 64, dtype=torch.bfloat16),  # columns not a multiple of 16
+    torch.zeros(32, 48, dtype=torch.bfloat16),  # inputs not a multiple of 32
+    torch.zeros(32, 64, dtype=torch.float32),  # not bf16
+    torch.zeros(64, 32, dtype=torch.bfloat16).t(),  # not rows
+], ids=["columns", "inputs", "dtype", "transposed"])
+def test_weights_it_cannot_lay_out_are_refused(weight):
+    assert not small_gemm.packable(weight)
+    with pytest.raises(ValueError, match="small_gemm.pack"):
+        small_gemm.pack(weight)
+
+
+def test_inputs_that_do_not_match_the_weight_are_refused():
+    packed = torch.zeros(32 * 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="small_gemm.linear"):
+        small_gemm.linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed, 32)  # 48 inputs, not 64
+    with pytest.raises(ValueError, match="small_gemm.linear"):
+        small_gemm.linear(torch.zeros(2, 64, dtype=torch.float32), packed, 32)
+    with pytest.raises(ValueError, match="small_gemm.linear"):
+        small_gemm.linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, 32)
+    with pytest.raises(ValueError, match="bias"):
+        small_gemm.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, torch.zeros(16, dtype=torch.bfloat16))
