@@ -13,6 +13,10 @@ quotes.
   (``paged_kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``paged_kernels.cpu._prefill``);
   then, on a CPU with AMX, a step's 32 chunks after 4 shared cached prefixes in one tile-kernel call
   against a call per chunk.
+- ``gemm``: a decode step's 120 decoder-layer GEMMs of SmolLM2-135M (qkv, o, gate/up, down; 30
+  layers' weights, cycled from memory as a step reads them) at 1-128 rows through
+  ``paged_kernels.small_gemm`` (AMX tiles) against oneDNN on its packed weights
+  (``worker_service.models.cpu_gemm.PackedLinear`` without the small path), rounds alternating.
 - ``fused``: ``paged_kernels.cpu_fused`` (RMSNorm after its residual add, rotary, SiLU(gate) * up of the
   fused gate/up output) against the torch code of ``worker_service.models`` at 32, 512 and 2,048
   tokens.
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from paged_kernels import cpu, cpu_fused, native
+from paged_kernels import cpu, cpu_fused, native, small_gemm
 from worker_service.cpu_memory import tune_malloc, zeros
 from worker_service.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 
@@ -311,10 +315,47 @@ def fused(rounds: int) -> None:
             print(f"  {tokens:>5} tokens: " + ", ".join(f"{name} {t * 1e3:.3f}" for name, t in times.items()))
 
 
+def gemm(rounds: int, layers: int = 30) -> None:
+    if not small_gemm.available():
+        raise SystemExit("the small-batch GEMM needs AMX-BF16 tiles, which this machine does not have")
+    from worker_service.models.cpu_gemm import PackedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN),
+              (HIDDEN, INTERMEDIATE)]
+    weights = [[(torch.randn(o, i, generator=gen) / i**0.5).to(torch.bfloat16) for o, i in shapes]
+               for _ in range(layers)]
+    onednn = [[PackedLinear(w) for w in layer] for layer in weights]
+    tiles = [[small_gemm.pack(w) for w in layer] for layer in weights]
+    del weights
+    print(f"a decode step's {4 * layers} layer GEMMs (bf16, weights cycled from memory), "
+          f"{torch.get_num_threads()} threads, medians of {rounds} rounds (ms):")
+    with torch.inference_mode():
+        for rows in (1, 8, 16, 32, 64, 128):
+            xs = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for i in (HIDDEN, INTERMEDIATE)}
+
+            def with_onednn() -> None:
+                for layer in onednn:
+                    for linear, (_, i) in zip(layer, shapes):
+                        linear(xs[i])
+
+            def with_tiles() -> None:
+                for layer in tiles:
+                    for packed, (o, i) in zip(layer, shapes):
+                        small_gemm.linear(xs[i], packed, o)
+
+            times: dict[str, list[float]] = {"oneDNN": [], "AMX small GEMM": []}
+            for _ in range(rounds):
+                times["oneDNN"].append(_timed(with_onednn, 5))
+                times["AMX small GEMM"].append(_timed(with_tiles, 5))
+            print(f"  {rows:>4} rows: " + ", ".join(f"{name} {statistics.median(t) * 1e3:.2f}"
+                                                   for name, t in times.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["decode", "prefill", "fused", "all"], default="all")
+    parser.add_argument("--part", choices=["decode", "prefill", "gemm", "fused", "all"], default="all")
     parser.add_argument("--against", metavar="REV", help="also time the decode kernel's source at this git revision")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
@@ -329,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("prefill", "all"):
         prefill(args.rounds)
         shared_prefix_step(args.rounds)
+    if args.part in ("gemm", "all") and small_gemm.available():
+        gemm(args.rounds, args.layers)
     if args.part in ("fused", "all"):
         fused(args.rounds)
     print(f"load average at end {os.getloadavg()}")
