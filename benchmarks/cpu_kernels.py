@@ -13,8 +13,8 @@ quotes.
   (``paged_kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``paged_kernels.cpu._prefill``);
   then, on a CPU with AMX, a step's 32 chunks after 4 shared cached prefixes in one tile-kernel call
   against a call per chunk.
-- ``gemm``: a decode step's 120 decoder-layer GEMMs of SmolLM2-135M (qkv, o, gate/up, down; 30
-  layers' weights, cycled from memory as a step reads them) at 1-128 rows through
+- ``gemm``: a step's 120 decoder-layer GEMMs of SmolLM2-135M (qkv, o, gate/up, down; 30 layers'
+  weights, cycled from memory as a step reads them) at 1-2,048 rows through
   ``paged_kernels.small_gemm`` (AMX tiles) against oneDNN on its packed weights
   (``worker_service.models.cpu_gemm.PackedLinear`` without the small path), rounds alternating.
 - ``fused``: ``paged_kernels.cpu_fused`` (RMSNorm after its residual add, rotary, SiLU(gate) * up of the
@@ -328,10 +328,10 @@ def gemm(rounds: int, layers: int = 30) -> None:
     onednn = [[PackedLinear(w) for w in layer] for layer in weights]
     tiles = [[small_gemm.pack(w) for w in layer] for layer in weights]
     del weights
-    print(f"a decode step's {4 * layers} layer GEMMs (bf16, weights cycled from memory), "
+    print(f"a step's {4 * layers} layer GEMMs (bf16, weights cycled from memory), "
           f"{torch.get_num_threads()} threads, medians of {rounds} rounds (ms):")
     with torch.inference_mode():
-        for rows in (1, 8, 16, 32, 64, 128):
+        for rows in (1, 8, 16, 64, 128, 224, 512, 1024, 2048):
             xs = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for i in (HIDDEN, INTERMEDIATE)}
 
             def with_onednn() -> None:

@@ -1,16 +1,16 @@
-"""A bf16 linear layer for the few rows of a decode step, on AMX tiles (``csrc/small_gemm_bf16.c``).
+"""A bf16 linear layer on AMX tiles for decode steps and short prefills (``csrc/small_gemm_bf16.c``).
 
-At 1-64 rows oneDNN's GEMM costs far more than reading its weight: a SmolLM2-135M decode step of
-one token spends ~13 ms in its 120 decoder-layer GEMMs, ~8.5 ms of which reading the weights from
-memory needs. This kernel reads each weight once per call, laid out at load as the B tiles of the
-tile product (:func:`pack`: a second copy of the weight), and x as it is. Measured on a 2-core AMX
-host, SmolLM2-135M's 120 layer GEMMs (``python benchmarks/cpu_kernels.py --part gemm``): oneDNN
-13.3 ms, this kernel 9.1 at 1 row; 13.6 / 9.5 at 8; 17.8 / 16.2 at 64; 24.8 / 27.0 at 128.
+Below ~1,000 rows oneDNN's GEMM runs well under the tiles' rate, and at 1-64 rows its calls cost
+far more than reading the weight: a SmolLM2-135M decode step of one token spends ~13 ms in its 120
+decoder-layer GEMMs, ~8.5 ms of which reading the weights from memory needs. This kernel reads
+each weight laid out at load as the B tiles of the tile product (:func:`pack`: a second copy of
+the weight), and x as it is. Measured on a 2-core AMX host, SmolLM2-135M's 120 layer GEMMs
+(``python benchmarks/cpu_kernels.py --part gemm``): see benchmarks/README.md, "CPU kernels".
 
 Each row's result depends on that row alone (the same in any batch); it differs from oneDNN's
 (``F.linear``) only in the order of the fp32 sums, in a few elements per hundred thousand by one
 bf16 step. Only where the CPU has AMX-BF16 and Linux grants the tile registers (:func:`available`);
-callers keep oneDNN elsewhere, and above :data:`MAX_ROWS` rows, where oneDNN is faster.
+callers keep oneDNN elsewhere, and above :func:`max_rows` rows, where oneDNN is faster.
 """
 
 from __future__ import annotations
@@ -23,8 +23,16 @@ from paged_kernels import native
 
 _LIBRARY = "small_gemm_bf16"
 _P, _I64, _I32 = native.PTR, native.I64, native.INT
-MAX_ROWS = 64  # above, oneDNN's GEMM is faster (its tile kernels keep more of the product in flight)
 GROUP, K_BLOCK = 16, 32  # output columns per packed group, inputs per tile
+# Rows up to which the kernel beats oneDNN (2-core AMX host, SmolLM2-135M's GEMMs): with 32 rows x
+# 32 columns a work item (out_features a multiple of 32) up to ~1,000 (1,024: 114.9 vs 137.9 ms a
+# step's GEMMs; 1,152: 142.5 vs 133.4); with 16-column items alone, up to 64.
+MAX_ROWS, MAX_ROWS_NARROW = 1024, 64
+
+
+def max_rows(out_features: int) -> int:
+    """The most rows worth running here for a weight of ``out_features`` outputs."""
+    return MAX_ROWS if out_features % 32 == 0 else MAX_ROWS_NARROW
 
 
 def available() -> bool:
@@ -57,7 +65,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` as bf16 ``[rows, out_features]`` for ``x`` bf16 rows ``[rows, in]`` (any
     row stride), ``W`` packed by :func:`pack`, ``bias`` bf16 ``[out_features]`` or None (added to
-    the fp32 sums before rounding); ``1 <= rows``, best up to :data:`MAX_ROWS`."""
+    the fp32 sums before rounding); ``1 <= rows``, best up to :func:`max_rows`."""
     rows, in_features = x.shape
     if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == out_features * in_features
             and rows >= 1):

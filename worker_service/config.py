@@ -77,10 +77,10 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
     kernel_cache: str = setting("", help="where built C kernels are cached (default: ~/.cache/pagedserve/kernels)")
     prepack_weights: bool = setting(True, help="lay bf16 linear weights out once for oneDNN's GEMM (bit-identical "
                                                 "outputs; faster small batches)")
-    small_gemm: bool = setting(True, help="with --prepack-weights, on a CPU with AMX: bf16 GEMMs of at most 64 rows "
-                                          "(decode steps) on AMX tiles over a second copy of the layers' weights "
-                                          "(paged_kernels/small_gemm.py): each row's result independent of the "
-                                          "batch, summed in another order than oneDNN's")
+    small_gemm: bool = setting(True, help="with --prepack-weights, on a CPU with AMX: the layers' bf16 GEMMs of steps "
+                                          "of up to 1,024 rows (decode steps, short prefills) on AMX tiles over a "
+                                          "second copy of their weights (paged_kernels/small_gemm.py): each row's "
+                                          "result independent of the batch, summed in another order than oneDNN's")
     tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds so per-step activations reuse warm "
                                            "memory; a worker process also keeps every thread on one heap "
                                            "(process-wide)")

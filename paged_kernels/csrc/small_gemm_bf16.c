@@ -1,17 +1,22 @@
-/* A bf16 linear layer for the few rows of a decode step, on AMX tiles: y = bf16(x . W^T), fp32 sums.
+/* A bf16 linear layer on AMX tiles for the batches of decode steps and short prefills:
+ * y = bf16(x . W^T + bias), fp32 sums.
  *
- * oneDNN's GEMM (worker_service.models.cpu_gemm) costs tens of microseconds a call beyond its
- * memory traffic at 1-64 rows: a SmolLM2-135M decode step of one token spends ~13 ms in its 120
- * decoder-layer GEMMs, reading 212 MB of weights at ~16 GB/s on a host that streams them at
- * ~90 GB/s. Here the weight is laid out once (small_gemm_pack_bf16) as the B tiles of TDPBF16PS:
- * per 16 output columns, line p holds the columns' input pairs (2p, 2p + 1), so the 16 lines of a
- * 32-input block are one 1 KB tile, read straight from the packed weight. x needs no packing: a
- * tile of 16 rows x 32 inputs is loaded with x's row stride. A work item is 16 output columns for
- * all rows (up to SMALL_GEMM_MAX_ROWS: four C tiles of 16 rows), so each weight tile is read once.
+ * oneDNN's GEMM costs tens of microseconds a call beyond its memory traffic at 1-64 rows (a
+ * SmolLM2-135M decode step of one token spends ~13 ms in its 120 decoder-layer GEMMs, ~8.5 of
+ * which reading the weights needs) and runs below the tiles' rate up to ~1,000 rows. Here the
+ * weight is laid out once (small_gemm_pack_bf16) as the B tiles of TDPBF16PS: per 16 output
+ * columns, line p holds the columns' input pairs (2p, 2p + 1), so the 16 lines of a 32-input block
+ * are one 1 KB tile, read straight from the packed weight. x needs no packing: a tile of 16 rows x
+ * 32 inputs is loaded with x's row stride.
  *
- * A bias (bf16) is added to the fp32 sums before the rounding, as oneDNN adds it.
+ * Up to 64 rows a work item is 16 output columns for all rows (four C tiles of 16 rows), each
+ * weight tile read once. Beyond, a work item is 32 rows x 32 columns (four C tiles fed by two A and
+ * two B tiles, each load feeding two products), column pair by column pair so that a pair's weight
+ * comes from memory once and from the core's cache for its further rows. A bias (bf16) is added to
+ * the fp32 sums before the rounding, as oneDNN adds it.
  *
- * Each row's result depends on that row of x alone: the same in any batch (batch-invariant). It
+ * Each output is the same chain of tile products over its inputs, in the same order, whatever the
+ * rows beside it and the path: a row's result depends on that row alone (batch-invariant). It
  * differs from oneDNN's only in the order of the fp32 sums; the tiles treat denormal inputs as zero.
  *
  * Without AMX (or where Linux refuses the process the tile registers) small_gemm_bf16_available()
@@ -127,18 +132,109 @@ static inline __attribute__((always_inline)) void chunk(const bf16_t *x, int64_t
     if (last)
         store(T_C_LAST, acc, bias, y + (int64_t)16 * full * ldy, ldy, last_rows);
 }
+
+/* Larger batches (more than CHUNK_BLOCKS * 16 rows): a work item is 32 rows x 32 columns, four C
+ * tiles fed by two A and two B tiles per 32 inputs (each tile load feeds two products). Items go
+ * column pair by column pair, so a pair's weight is read from memory once and from the core's
+ * cache for its further row pairs. The last row pair may hold fewer rows: its own tile shapes. */
+#define T_C00 0 /* row block 0, column group 0 */
+#define T_C01 1
+#define T_C10 2 /* row block 1 */
+#define T_C11 3
+#define T_A0 4
+#define T_A1 5
+#define T_B0 6
+#define T_B1 7
+
+static void configure_pair(int rows0, int rows1)
+{
+    struct amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[T_C00] = cfg.rows[T_C01] = cfg.rows[T_A0] = rows0;
+    if (rows1)
+        cfg.rows[T_C10] = cfg.rows[T_C11] = cfg.rows[T_A1] = rows1;
+    _tile_loadconfig(&cfg);
+}
+
+static inline __attribute__((always_inline)) void pair_item(const bf16_t *x, int64_t ldx, const bf16_t *w0,
+                                                            const bf16_t *w1, int64_t k, const bf16_t *bias,
+                                                            bf16_t *y, int64_t ldy, int rows0, int rows1, float *acc)
+{
+    _tile_zero(T_C00);
+    _tile_zero(T_C01);
+    if (rows1) {
+        _tile_zero(T_C10);
+        _tile_zero(T_C11);
+    }
+    for (int64_t kb = 0; kb < k / 32; kb++) {
+        const int64_t o = kb * 32;
+        _tile_loadd(T_B0, w0 + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
+        _tile_loadd(T_B1, w1 + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
+        _tile_loadd(T_A0, x + o, ldx * 2);
+        _tile_dpbf16ps(T_C00, T_A0, T_B0);
+        _tile_dpbf16ps(T_C01, T_A0, T_B1);
+        if (rows1) {
+            _tile_loadd(T_A1, x + 16 * ldx + o, ldx * 2);
+            _tile_dpbf16ps(T_C10, T_A1, T_B0);
+            _tile_dpbf16ps(T_C11, T_A1, T_B1);
+        }
+    }
+    store(T_C00, acc, bias, y, ldy, rows0);
+    store(T_C01, acc, bias ? bias + GROUP : NULL, y + GROUP, ldy, rows0);
+    if (rows1) {
+        store(T_C10, acc, bias, y + 16 * ldy, ldy, rows1);
+        store(T_C11, acc, bias ? bias + GROUP : NULL, y + 16 * ldy + GROUP, ldy, rows1);
+    }
+}
+
+static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf16_t *bias, bf16_t *y,
+                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads)
+{
+    const int64_t row_pairs = (rows + 31) / 32, col_pairs = n / 32, group_elems = k * GROUP;
+    const int last0 = (int)(rows - 32 * (row_pairs - 1) >= 16 ? 16 : rows - 32 * (row_pairs - 1));
+    const int last1 = (int)(rows - 32 * (row_pairs - 1) > 16 ? rows - 32 * (row_pairs - 1) - 16 : 0);
+    const int ragged = last0 != 16 || last1 != 16;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        float acc[16 * GROUP] __attribute__((aligned(64)));
+        int shape = -1; /* 0: full pairs, 1: the last pair's shape */
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < col_pairs * row_pairs; item++) {
+            const int64_t c = item / row_pairs, r = item % row_pairs;
+            const int last = ragged && r == row_pairs - 1;
+            if (shape != last) {
+                configure_pair(last ? last0 : 16, last ? last1 : 16);
+                shape = last;
+            }
+            const bf16_t *w0 = packed + 2 * c * group_elems;
+            pair_item(x + r * 32 * ldx, ldx, w0, w0 + group_elems, k, bias ? bias + c * 32 : NULL,
+                      y + r * 32 * ldy + c * 32, ldy, last ? last0 : 16, last ? last1 : 16, acc);
+        }
+        _tile_release();
+    }
+}
 #endif
 
 /* y [rows, n] (row stride ldy) = bf16(x [rows, k] (row stride ldx) . W^T + bias), W packed by
- * small_gemm_pack_bf16, bias [n] bf16 or NULL (added to the fp32 sums). Returns 0, or -1 where it cannot run (no AMX, or n not a multiple of 16,
- * k of 32). Each work item is 16 columns of y; its weight (k / 32 tiles) is read from memory once
- * and from the core's cache for each further chunk of 64 rows. */
+ * small_gemm_pack_bf16, bias [n] bf16 or NULL (added to the fp32 sums). Returns 0, or -1 where it
+ * cannot run (no AMX, or n not a multiple of 16, k of 32). Beyond 64 rows with n a multiple of 32,
+ * gemm_pairs; else each work item is 16 columns of y, its weight (k / 32 tiles) read from memory
+ * once and from the core's cache for each further chunk of 64 rows. */
 int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t ldy,
                     int64_t rows, int64_t n, int64_t k, int num_threads)
 {
 #ifdef HAVE_AMX_TILES
     if (rows < 1 || n % GROUP || k % 32 || !amx_permitted())
         return -1;
+    if (rows > CHUNK_BLOCKS * 16 && n % 32 == 0) {
+        gemm_pairs(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads);
+        return 0;
+    }
     const int64_t blocks = (rows + 15) / 16, group_elems = k * GROUP, groups = n / GROUP;
     const int last_rows = (int)(rows - 16 * (blocks - 1));
     #pragma omp parallel num_threads(num_threads)

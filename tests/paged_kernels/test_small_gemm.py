@@ -31,24 +31,27 @@ def _assert_rounded_fp32_sums(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 48, 64, 65, 130])
-@pytest.mark.parametrize("shape", [(16, 32), (960, 576), (576, 1536)], ids=["one-tile", "qkv", "down"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 48, 64, 65, 72, 96, 130, 1000])
+@pytest.mark.parametrize("shape", [(16, 32), (48, 64), (960, 576), (576, 1536)],
+                         ids=["one-tile", "odd-groups", "qkv", "down"])
 def test_products_are_fp32_sums_rounded_once(rows, shape):
-    """Row blocks of 16 (whole and partial), chunks of 64 rows (several, the last partial), one
-    16-column group and one 32-input block up to a real layer's shapes."""
+    """Row blocks of 16 (whole and partial); up to 64 rows as 16-column items, beyond as 32 x 32
+    items (a last row pair of 1-32 rows), or as chunks of 64 rows where the columns are an odd
+    number of 16s; one tile up to a real layer's shapes."""
     x, w = _operands(rows, *shape)
     _assert_rounded_fp32_sums(small_gemm.linear(x, small_gemm.pack(w), shape[0]), x, w)
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [3, 70])
-def test_a_bias_is_added_to_the_fp32_sums(rows):
-    x, w = _operands(rows, 48, 64, seed=2)
-    bias = torch.randn(48).to(torch.bfloat16)
-    y = small_gemm.linear(x, small_gemm.pack(w), 48, bias)
+@pytest.mark.parametrize("rows", [3, 70, 100])
+@pytest.mark.parametrize("out_features", [48, 64])
+def test_a_bias_is_added_to_the_fp32_sums(rows, out_features):
+    x, w = _operands(rows, out_features, 64, seed=2)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    y = small_gemm.linear(x, small_gemm.pack(w), out_features, bias)
     exact = x.float() @ w.float().T + bias.float()
     torch.testing.assert_close(y.float(), exact, rtol=2**-8, atol=1e-6)
-    assert torch.equal(y[1], small_gemm.linear(x[1:2], small_gemm.pack(w), 48, bias)[0])
+    assert torch.equal(y[-1], small_gemm.linear(x[-1:], small_gemm.pack(w), out_features, bias)[0])
 
 
 @needs_amx
@@ -64,10 +67,12 @@ def test_rows_of_a_strided_view():
 
 @needs_amx
 def test_each_row_is_the_same_alone_and_in_any_batch():
-    x, w = _operands(70, 960, 576, seed=4)
+    """Across row blocks, chunks and both kinds of work item: one row alone, 16-column items (up to
+    64 rows), 32 x 32 items (beyond) — the same chain of tile products for each output."""
+    x, w = _operands(200, 960, 576, seed=4)
     packed = small_gemm.pack(w)
     together = small_gemm.linear(x, packed, 960)
-    for lo, hi in [(0, 1), (16, 17), (63, 64), (64, 70), (5, 40), (30, 70)]:
+    for lo, hi in [(0, 1), (16, 17), (63, 64), (64, 70), (5, 40), (30, 100), (0, 65), (199, 200), (100, 200)]:
         assert torch.equal(small_gemm.linear(x[lo:hi], packed, 960), together[lo:hi]), (lo, hi)
 
 
@@ -95,6 +100,11 @@ def test_weights_it_cannot_lay_out_are_refused(weight):
     assert not small_gemm.packable(weight)
     with pytest.raises(ValueError, match="small_gemm.pack"):
         small_gemm.pack(weight)
+
+
+def test_the_row_limit_follows_the_work_items():
+    assert small_gemm.max_rows(960) == small_gemm.MAX_ROWS  # 32-column items
+    assert small_gemm.max_rows(48) == small_gemm.MAX_ROWS_NARROW  # 16-column items only
 
 
 def test_inputs_that_do_not_match_the_weight_are_refused():

@@ -110,25 +110,27 @@ needs_amx = pytest.mark.skipif(not small_gemm.available(), reason="no AMX-BF16 t
 
 
 @needs_amx
-def test_small_batches_run_on_the_tile_kernel_and_larger_ones_on_onednn(hf):
+def test_steps_up_to_the_limit_run_on_the_tile_kernel_and_larger_ones_on_onednn(hf):
     runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
     assert runner.small_gemm
     assert cpu_gemm.small_gemm_layers(runner.model) == 4 * len(runner.model.layers)  # the LM head keeps oneDNN
     qkv = runner.model.layers[0].attn.qkv
     with torch.inference_mode():
-        for rows in (1, 8, small_gemm.MAX_ROWS, small_gemm.MAX_ROWS + 1):
+        limit = small_gemm.max_rows(qkv.out_features)
+        assert qkv.small_rows == limit
+        for rows in (1, 8, 64, 65, limit, limit + 1):
             x = torch.randn(rows, qkv.in_features).to(torch.bfloat16)
             onednn = torch.ops.mkldnn._linear_pointwise(x, qkv.packed_weight, qkv.bias, "none", [], "")
             tiles = small_gemm.linear(x, qkv.small_weight, qkv.out_features, qkv.bias)  # Qwen2's qkv has a bias
-            assert torch.equal(qkv(x), tiles if rows <= small_gemm.MAX_ROWS else onednn)
+            assert torch.equal(qkv(x), tiles if rows <= limit else onednn)
             torch.testing.assert_close(tiles.float(), onednn.float(), rtol=2**-8, atol=1e-6)
 
 
 @needs_amx
 def test_with_the_tile_kernel_a_request_decodes_the_same_alone_and_in_a_batch(hf):
-    """Every step here has at most 64 rows: each row's GEMMs, norms and attention are its own, and
-    greedy picks from logits whose top is recomputed in fp32; so a request's tokens do not depend
-    on the batch it is in."""
+    """Every step here is within the kernel's rows: each row's GEMMs, norms and attention are its
+    own, and greedy picks from logits whose top is recomputed in fp32; so a request's tokens do not
+    depend on the batch it is in."""
     runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
     prompts = random_prompts([9, 4, 17], seed=3)
     together = _greedy_tokens(runner, prompts, num_decodes=6)

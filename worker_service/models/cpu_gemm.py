@@ -10,9 +10,10 @@ at 2,048 rows; the LM head (49,152 x 576) 13.2 → 9.3 ms at 64 rows; outputs bi
 ``F.linear``.
 
 With ``small``, each decoder-layer weight gets a second layout too, for the AMX tile kernel of
-``paged_kernels.small_gemm`` (decode steps of at most 64 rows, where oneDNN's calls cost more
-than their memory traffic): not bit-identical to oneDNN (fp32 sums in another order), but each row's
-result independent of the batch.
+``paged_kernels.small_gemm`` (steps of up to ~1,000 rows: decode steps, where oneDNN's calls cost
+more than their memory traffic, and short prefills, where it runs below the tiles' rate): not
+bit-identical to oneDNN (fp32 sums in another order), but each row's result independent of the
+batch. Larger steps keep oneDNN.
 
 Only bf16 is packed: in fp32 oneDNN's GEMM rounds differently from the MKL one ``F.linear`` uses,
 and fp32 is the mode that keeps exact parity with transformers. The LM head's plain weight stays
@@ -45,16 +46,17 @@ class PackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        # the layout of paged_kernels.small_gemm (rows up to its MAX_ROWS), or None: oneDNN alone
+        # the layout of paged_kernels.small_gemm (steps of up to small_rows rows), or None: oneDNN alone
         tiles = small and small_gemm.packable(weight) and (bias is None or bias.dtype == torch.bfloat16)
         self.register_buffer("small_weight", small_gemm.pack(weight.detach()) if tiles else None, persistent=False)
+        self.small_rows = small_gemm.max_rows(self.out_features) if tiles else 0
 
     @classmethod
     def of(cls, linear: nn.Linear, small: bool = False) -> PackedLinear:
         return cls(linear.weight, linear.bias, small)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.small_weight is not None and 0 < x.shape[0] <= small_gemm.MAX_ROWS:
+        if 0 < x.shape[0] <= self.small_rows:
             return small_gemm.linear(x, self.small_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
