@@ -24,9 +24,10 @@ from paged_kernels import native
 _LIBRARY = "small_gemm_bf16"
 _P, _I64, _I32 = native.PTR, native.I64, native.INT
 GROUP, K_BLOCK = 16, 32  # output columns per packed group, inputs per tile
-# Rows up to which the kernel beats oneDNN (2-core AMX host, SmolLM2-135M's GEMMs): with 32 rows x
-# 32 columns a work item (out_features a multiple of 32) up to ~1,000 (1,024: 114.9 vs 137.9 ms a
-# step's GEMMs; 1,152: 142.5 vs 133.4); with 16-column items alone, up to 64.
+# Rows up to which the kernel beats oneDNN (2-core AMX host, a step's 120 GEMMs of SmolLM2-135M,
+# cpu_kernels.py --part gemm): with 32 rows x 32 columns a work item (out_features a multiple of
+# 32) up to ~1,000 (1,024 rows: 122.0 vs 144.4 ms; 2,048: 326.6 vs 203.8); with 16-column items
+# alone, up to 64 (64 rows: 17.3 vs 17.9; 128: 28.3 vs 24.9).
 MAX_ROWS, MAX_ROWS_NARROW = 1024, 64
 
 

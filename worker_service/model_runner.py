@@ -97,7 +97,7 @@ class ModelRunner:
                                                          f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.block_size = config.block_size
         self.num_packed_linears = 0
-        self.small_gemm = False  # whether decode steps' GEMMs run on paged_kernels.small_gemm
+        self.small_gemm = False  # whether steps of up to ~1,024 rows run the layers' GEMMs on AMX tiles
         malloc_tuned = False
         if self.device.type == "cpu":
             malloc_tuned = config.tune_malloc and cpu_memory.tune_malloc()
@@ -108,7 +108,7 @@ class ModelRunner:
                 self.small_gemm = cpu_gemm.small_gemm_layers(self.model) > 0
                 if self.num_packed_linears:
                     log.info("%d GEMM weights laid out for oneDNN (bf16, once at load)%s", self.num_packed_linears,
-                             "; the layers' also for the small-batch AMX GEMM" if self.small_gemm else "")
+                             "; the layers' also for the AMX tile GEMM (paged_kernels.small_gemm)" if self.small_gemm else "")
         self.num_blocks = determine_num_blocks(config, cfg, loaded.dtype, self.device, self.max_model_len)
         self.kv_caches = allocate_kv_caches(cfg, self.num_blocks, self.block_size, loaded.dtype, self.device)
         if malloc_tuned:  # freed heap is kept: worth faulting the activation memory in now

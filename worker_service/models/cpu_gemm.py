@@ -38,7 +38,9 @@ _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear``'s forward over a weight in oneDNN's blocked layout (inference only)."""
+    """``nn.Linear``'s forward over a weight in oneDNN's blocked layout (inference only); with
+    ``small``, also in ``paged_kernels.small_gemm``'s, which takes the calls of up to ``small_rows``
+    rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small: bool = False) -> None:
         super().__init__()
