@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_kernels import cpu, cpu_fused
+from paged_kernels import cpu, cpu_fused, small_gemm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,3 +23,5 @@ def test_the_cpu_kernel_benchmark_runs_and_reports_every_part():
     assert "ms a layer" in done.stdout and "C read" in done.stdout and "plain read" in done.stdout
     assert "float32  2048 tokens: gather + SDPA" in done.stdout and "C kernel" in done.stdout
     assert "2048 tokens: add + RMSNorm, torch" in done.stdout and "rotary, fused" in done.stdout
+    if small_gemm.available():  # the tile GEMM runs only where AMX does
+        assert "1024 rows: oneDNN" in done.stdout and "AMX small GEMM" in done.stdout
