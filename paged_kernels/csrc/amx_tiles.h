@@ -62,15 +62,21 @@ static inline __attribute__((always_inline)) const bf16_t *amx_cache_row(const b
     return cache + (int64_t)table[pos / block_size] * s_block + (pos % block_size) * s_pos + offset;
 }
 
-/* Every tile 16 rows of 64 bytes (32 bf16 or 16 fp32); per thread, before its first tile instruction. */
+/* A configuration with every tile 16 rows of 64 bytes (32 bf16 or 16 fp32); a caller may shorten
+ * some tiles' rows before loading it. */
+static inline void amx_full_tiles(struct amx_tile_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg->rows[t] = 16;
+        cfg->colsb[t] = 64;
+    }
+}
+
+/* Every tile 16 rows of 64 bytes; per thread, before its first tile instruction. */
 static inline void amx_configure_tiles(void) {
     struct amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    amx_full_tiles(&cfg);
     _tile_loadconfig(&cfg);
 }
 

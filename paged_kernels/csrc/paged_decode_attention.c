@@ -517,8 +517,8 @@ static inline __attribute__((always_inline)) void group_avx512(const struct args
         seq_begin(a, seqs[i], h, &st[i], HD, BF16);
         longest = a->seq_lens[seqs[i]] > longest ? a->seq_lens[seqs[i]] : longest;
     }
-    int tiled_until = 0;  /* chunks before it are shared by every sequence and run on tiles */
 #ifdef HAVE_AMX_TILES
+    int tiled_until = 0;  /* chunks before it are shared by every sequence and run on tiles */
     if (BF16 && a->tiles && n * a->group >= TILED_MIN_ROWS && HD <= 128)
         tiled_until = shared_prefix(a, seqs, n) / CHUNK * CHUNK;
 #endif

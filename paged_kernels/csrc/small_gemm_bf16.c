@@ -70,12 +70,8 @@ void small_gemm_pack_bf16(const bf16_t *w, int64_t ldw, bf16_t *packed, int64_t 
 static void configure(int last_rows)
 {
     struct amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = t == T_A_LAST || t == T_C_LAST ? last_rows : 16;
-        cfg.colsb[t] = 64;
-    }
+    amx_full_tiles(&cfg);
+    cfg.rows[T_A_LAST] = cfg.rows[T_C_LAST] = last_rows;
     _tile_loadconfig(&cfg);
 }
 
@@ -149,12 +145,7 @@ static inline __attribute__((always_inline)) void chunk(const bf16_t *x, int64_t
 static void configure_pair(int rows0, int rows1)
 {
     struct amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
+    amx_full_tiles(&cfg);
     cfg.rows[T_C00] = cfg.rows[T_C01] = cfg.rows[T_A0] = rows0;
     if (rows1)
         cfg.rows[T_C10] = cfg.rows[T_C11] = cfg.rows[T_A1] = rows1;
