@@ -100,9 +100,9 @@ static inline __attribute__((always_inline)) void store(int tile, float *acc, co
                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * GROUP), b)));
 }
 
-/* Rows [row0, row0 + 16 * blocks) of y's 16 columns at y, with x's row block 0 at x (the chunk's
- * first); `last`: the chunk's last block is x's last (C_LAST, last_rows rows). `wg`: the columns'
- * packed weight, k / 32 tiles. */
+/* One chunk of up to CHUNK_BLOCKS row blocks for 16 columns: y and x point at the chunk's first
+ * row (y at its columns); `last`: the chunk's last block is x's last (C_LAST, last_rows rows).
+ * `wg`: the columns' packed weight, k / 32 tiles. */
 static inline __attribute__((always_inline)) void chunk(const bf16_t *x, int64_t ldx, const bf16_t *wg, int64_t k,
                                                         const bf16_t *bias, bf16_t *y, int64_t ldy, int blocks,
                                                         int last, int last_rows, float *acc)
