@@ -79,8 +79,9 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
                                                 "outputs; faster small batches)")
     small_gemm: bool = setting(True, help="with --prepack-weights, on a CPU with AMX: the layers' bf16 GEMMs of steps "
                                           "of up to 1,024 rows (decode steps, short prefills) on AMX tiles over a "
-                                          "second copy of their weights (paged_kernels/small_gemm.py): each row's "
-                                          "result independent of the batch, summed in another order than oneDNN's")
+                                          "second copy of their weights (paged_kernels/small_gemm.py; made only while it "
+                                          "takes at most a quarter of the memory available): each row's result "
+                                          "independent of the batch, summed in another order than oneDNN's")
     tune_malloc: bool = setting(True, help="raise glibc's malloc thresholds so per-step activations reuse warm "
                                            "memory; a worker process also keeps every thread on one heap "
                                            "(process-wide)")

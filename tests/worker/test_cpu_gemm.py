@@ -148,3 +148,13 @@ def test_without_amx_the_layers_keep_onednn(hf, monkeypatch):
 def test_the_tile_kernel_can_be_turned_off(hf):
     runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True, small_gemm=False)
     assert runner.num_packed_linears and not runner.small_gemm
+
+
+def test_no_tile_copy_where_it_would_crowd_memory(hf, monkeypatch, caplog):
+    """The copy is made only while it takes at most SMALL_GEMM_MEMORY_SHARE of the memory available."""
+    monkeypatch.setattr(small_gemm, "available", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "_available_bytes", lambda: 1000)  # far less than the weights
+    with caplog.at_level("WARNING", logger=cpu_gemm.__name__):
+        runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    assert runner.num_packed_linears and not runner.small_gemm
+    assert "keep oneDNN alone" in caplog.text

@@ -145,13 +145,41 @@ def prepack_linears(layers: nn.Module, small: bool = False) -> int:
     except RuntimeError as exc:  # an op missing a kernel for this CPU or dtype
         log.warning("cannot pack linear weights for oneDNN (%s): weights left unpacked", exc)
         return 0
-    small = small and small_gemm.available()
+    small = small and small_gemm.available() and _copy_fits(sum(t[2].weight.nbytes for t in targets))
     if small:
         packed_first = PackedLinear.of(first, small)
     setattr(first_parent, first_name, packed_first)  # the checked one
     for parent, name, linear in targets[1:]:
         setattr(parent, name, PackedLinear.of(linear, small))
     return len(targets)
+
+
+# The tile kernel's copy of the layers' weights is made only while it takes at most this share of the
+# memory the system has available: the default model's 0.2 GiB always, a 7B model's 13 GiB not on a
+# 24 GiB host (it then keeps oneDNN alone, with a line in the log).
+SMALL_GEMM_MEMORY_SHARE = 0.25
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _copy_fits(nbytes: int) -> bool:
+    available = _available_bytes()
+    if available is None or nbytes <= SMALL_GEMM_MEMORY_SHARE * available:
+        return True
+    log.warning("the AMX tile GEMM's copy of the layers' weights (%.1f GiB) would take more than %d%% of the "
+                "memory available (%.1f GiB): the layers keep oneDNN alone", nbytes / 2**30,
+                round(100 * SMALL_GEMM_MEMORY_SHARE), available / 2**30)
+    return False
 
 
 def small_gemm_layers(model: nn.Module) -> int:
