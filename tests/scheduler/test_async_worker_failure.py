@@ -78,7 +78,9 @@ async def test_a_failed_step_under_a_planned_one_hands_the_requests_back(fail_at
             published = [t for r in queue.of(request.request_id) for t in r.token_ids]
             assert list(request.output_token_ids) == published and len(published) == fail_at - 1
             assert not any(r.error_message for r in queue.of(request.request_id))
-        assert engine.num_steps_ahead >= 1 or fail_at == 2
+        # A step is planned ahead once a decode step's time is known (after step 2), during a step
+        # still running: with fail_at 3 that is the failing step, whose answer may come first.
+        assert engine.num_steps_ahead >= 1 or fail_at <= 3
 
 
 async def test_a_write_after_the_worker_ended_the_stream_is_a_lost_worker():
