@@ -67,6 +67,11 @@ def ceiling(steps: StepLog, weight_bytes: int, kv_per_token: int, copy_gbps: flo
     )
 
 
+def _share(fraction: float | None) -> str:
+    """A fraction as a percentage; "n/a" where there was nothing to measure (no decode-only step)."""
+    return "n/a" if fraction is None else f"{fraction:.1%}"
+
+
 def run_model(name: str, ctx: Context, sizes: dict, copy_gbps: float, hf_seconds: float) -> dict:
     import torch
     from offline_throughput import make_requests, run_hf_static
@@ -102,8 +107,8 @@ def run_model(name: str, ctx: Context, sizes: dict, copy_gbps: float, hf_seconds
     )
     row["weight_bytes_per_step"] = weight_bytes_per_step(llm.runner.model)
     log(f"{name}: pagedserve {produced / elapsed:.0f} output tok/s ({elapsed:.1f} s), "
-        f"{row['pagedserve']['fraction_of_ceiling']:.1%} of the bandwidth ceiling, decode-only steps "
-        f"{row['pagedserve']['decode_fraction_of_ceiling']:.1%}")
+        f"{_share(row['pagedserve']['fraction_of_ceiling'])} of the bandwidth ceiling, decode-only steps "
+        f"{_share(row['pagedserve']['decode_fraction_of_ceiling'])}")
     del llm, outputs
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
