@@ -249,7 +249,7 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
     bench_args`` (the same arguments); both results side by side, with the ratios, JSON + PNG.
     ``num_speculative_tokens``: pagedserve's draft tokens (None: its default); ``vllm_ngram``: vLLM
     with its own n-gram speculation, at pagedserve's draft settings; ``policy``: pagedserve's
-    scheduling policy (None: its default, fcfs, as vLLM's)."""
+    scheduling policy (None: its default, spf; vLLM's only order is fcfs)."""
     from pagedserve.launcher import Stack, StackConfig, free_port
     from servicekit.flags import settings_argv
 
@@ -281,6 +281,7 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
     with VllmServer(model, port, vllm_args, kv_cache_bytes=kv_cache_bytes, threads=threads,
                     vllm_dir=vllm_dir) as server:
         result["settings"]["vllm"] = {"command": " ".join(server.command[2:]), "env": settings(server.env),
+                                      "scheduling policy": "fcfs (its default)",
                                       "start_s": round(server.wait_ready(), 1)}
         result["vllm"] = bench_serve(f"http://127.0.0.1:{port}", model, str(folder), bench_args,
                                      out / f"serve-vllm-bench{tag}-vllm.json", vllm_dir=vllm_dir)
@@ -291,7 +292,8 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
         stack.start()
         result["settings"]["pagedserve"] = {"start_s": round(time.monotonic() - t0, 1),
                                             "command": "pagedserve serve " + " ".join(settings_argv(stack_config)),
-                                            "n-gram speculation": drafts}
+                                            "n-gram speculation": drafts,
+                                            "scheduling policy": stack_config.policy}
         result["pagedserve"] = bench_serve(f"http://127.0.0.1:{http_port}", model, str(folder), bench_args,
                                            out / f"serve-vllm-bench{tag}-pagedserve.json", vllm_dir=vllm_dir)
     finally:

@@ -344,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--peer vllm: pagedserve's draft tokens per step (n-gram speculation; default: its own, "
                              "0: off)")
     parser.add_argument("--policy", choices=POLICIES, default=None,
-                        help="--peer vllm and --start-stack: pagedserve's scheduling policy (default: its own, fcfs; "
-                             "lpm: the longest cached prompt prefix first)")
+                        help="--peer vllm and --start-stack: pagedserve's scheduling policy (default: its own, spf; "
+                             "lpm: the longest cached prompt prefix first; spf: the fewest prompt tokens left to "
+                             "compute first)")
     parser.add_argument("--vllm-ngram", action="store_true",
                         help="--peer vllm: run vllm serve with its own n-gram speculation at pagedserve's draft "
                              "settings (--speculative-config)")

@@ -8,8 +8,8 @@ fresh scheduler core per phase, the pair the scheduler service drives over gRPC)
   ``--a-prompt`` tokens, ``--a-max-tokens`` outputs);
 - tenant B sends one request a second (``--b-prompt`` / ``--b-max-tokens``), the first at 0.5 s.
 
-Phases: ``b-alone`` and ``a-alone`` (each tenant without the other), ``both-fcfs`` (the default
-policy) and ``both-fair`` (policy ``fair``, the virtual token counter). Reported per phase: B's
+Phases: ``b-alone`` and ``a-alone`` (each tenant without the other), ``both-fcfs`` (arrival
+order) and ``both-fair`` (policy ``fair``, the virtual token counter). Reported per phase: B's
 TTFT p50 / p99 (a request still without its first token when the phase ends counts with the time
 it waited so far: a lower bound), A's output tokens per second over the phase, the step count and
 the load average. Greedy, ``ignore_eos``; prefix caching off (random prompts share nothing); the

@@ -7,7 +7,7 @@ from scheduler_service.core.request import Request, RequestStatus
 from scheduler_service.core.scheduler import Scheduler, SchedulerStats
 from scheduler_service.core.waiting_queue import (
     FCFSWaitingQueue,
-    LPMWaitingQueue,
+    OrderedWaitingQueue,
     PriorityWaitingQueue,
     create_waiting_queue,
 )
@@ -27,7 +27,8 @@ from servicekit.contract.worker import WorkerDescription
 
 __all__ = [
     "BlockPool", "CachedRequestData", "EngineCoreOutput", "FCFSWaitingQueue", "FinishReason", "FreeBlockQueue",
-    "InvalidArgumentError", "KVCacheBlock", "KVCacheManager", "LPMWaitingQueue", "ModelRunnerOutput", "NewRequestData",
+    "InvalidArgumentError", "KVCacheBlock", "KVCacheManager", "ModelRunnerOutput", "NewRequestData",
+    "OrderedWaitingQueue",
     "PriorityWaitingQueue", "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulingConfig",
     "SchedulerOutput", "SchedulerStats", "TokenLogprobs", "WorkerDescription", "create_waiting_queue", "hash_block_tokens",
 ]

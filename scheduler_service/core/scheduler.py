@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from scheduler_service.core.kv_cache_manager import KVCacheManager
 from scheduler_service.core.request import Request, RequestStatus
-from scheduler_service.core.waiting_queue import create_waiting_queue
+from scheduler_service.core.waiting_queue import ORDERED_POLICIES, create_waiting_queue
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
 from servicekit.contract.scheduling import MIN_PREFILL_CHUNK_TOKENS, SchedulingConfig
@@ -242,9 +242,10 @@ class Scheduler:
 
         # Phase 2: admit waiting requests (not in a step that had to preempt: memory is short).
         waiting = self.waiting
-        lpm = cfg.policy == "lpm" and not preempted and bool(waiting) and budget > 0 and len(running) < cfg.max_num_seqs
-        if lpm:  # the longest cached prefix first (waiting_queue.LPMWaitingQueue)
-            waiting.reorder(lambda r: len(kv.get_computed_blocks(r)[0]))
+        ordered = (cfg.policy in ORDERED_POLICIES and not preempted and bool(waiting) and budget > 0
+                   and len(running) < cfg.max_num_seqs)
+        if ordered:  # by the cost of admission (waiting_queue.OrderedWaitingQueue)
+            waiting.reorder(self._admission_cost)
             num_running = len(running)
         while not preempted and waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             request = waiting.peek()
@@ -279,7 +280,7 @@ class Scheduler:
                 rid, list(request.prompt_token_ids), request.output_token_ids,
                 request.sampling_params, kv.get_block_ids(rid), num_computed))
 
-        if lpm:
+        if ordered:
             waiting.passed_over(running[num_running:])
         for request in drafted.values():  # sent (in ``spec_tokens``) or not: either way used up
             request.spec_token_ids = []
@@ -493,6 +494,15 @@ class Scheduler:
             return None
         return entries
 
+    def _admission_cost(self, request: Request) -> int:
+        """What admitting ``request`` costs, for the ordered policies (smaller goes first): lpm, minus
+        its cached prefix in blocks (the longest first); spf, the tokens left to compute before its
+        first token (prompt, and outputs of a preempted one, less the cached prefix)."""
+        computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+        if self.config.policy == "lpm":
+            return -len(computed_blocks)
+        return request.num_tokens - num_computed
+
     def _chunk_threshold(self) -> tuple[int, bool]:
         """The most tokens one request computes this step (0 = no cap), and whether that is the
         shared cap: the hard cap, tightened to the shared cap while another request waits or runs,
@@ -598,8 +608,9 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
 
     def _pick_victim(self) -> tuple[Request, int]:
-        """Remove and return the running request to preempt, with the index it had: FCFS the last
-        admitted; priority the one with the largest (priority, arrival_time), the latest on ties."""
+        """Remove and return the running request to preempt, with the index it had: fcfs the last
+        admitted; the other policies the one with the largest (priority, arrival_time), the latest
+        on ties."""
         running = self.running
         if self.config.policy == "fcfs":
             return running.pop(), len(running)

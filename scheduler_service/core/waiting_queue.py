@@ -1,6 +1,7 @@
 """Waiting queues: first-come-first-served and priority (seed §2.3), fair shares between tenants
 (the virtual token counter of Sheng et al., "Fairness in Serving Large Language Models", OSDI
-2024), and the longest cached prefix first (SGLang's "lpm" policy)."""
+2024), and orders by what a request costs to admit: the longest cached prefix first (SGLang's "lpm"
+policy) or the fewest prompt tokens left to compute (shortest prompt first, "spf")."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from scheduler_service.core.request import Request
+from scheduler_service.core.request import Request, RequestStatus
 
 
 class WaitingQueue(Protocol):
@@ -274,29 +275,36 @@ class FairWaitingQueue:
         return (e[5] for e in sorted(entries, key=lambda e: e[:5]))
 
 
-LPM_WINDOW = 128  # requests at the front that the lpm policy orders; those behind wait in arrival order
-LPM_MAX_PASSED = 4  # steps a request may see later arrivals admitted before it goes first
+ORDER_WINDOW = 128  # requests at the front that the lpm and spf policies order; those behind wait in arrival order
+ORDERED_POLICIES = ("lpm", "spf")  # the policies that reorder the queue's front before admissions
+MAX_PASSED_OVER = 4  # steps a request may see later arrivals admitted before it goes first
 
 
-class LPMWaitingQueue(FCFSWaitingQueue):
-    """The longest cached prefix first (SGLang's "lpm" policy): a request whose prompt the prefix
-    cache mostly holds is cheap to admit, and in a burst of prompts sharing a prefix the ones that
-    find it cached get their first tokens while the rest still prefill. Before each step's
-    admissions the scheduler calls :meth:`reorder`: the first :data:`LPM_WINDOW` requests go by
-    cached prefix (longest first), then arrival; a request that saw later arrivals admitted before
-    it in :data:`LPM_MAX_PASSED` steps (:meth:`passed_over`) goes first, so none starves. With no
-    prefix cached anywhere the order is arrival order. A preempted request goes back to the front
-    (``prepend``) until the next reorder."""
+class OrderedWaitingQueue(FCFSWaitingQueue):
+    """Admission by cost, for the policies that order by what a request costs to admit: lpm (the
+    longest cached prefix first, SGLang's policy: a request whose prompt the prefix cache mostly
+    holds is cheap to admit, and in a burst of prompts sharing a prefix the ones that find it cached
+    get their first tokens while the rest still prefill) and spf (the fewest prompt tokens left to
+    compute first: in a burst of prompts of mixed lengths, more requests get their first tokens from
+    each step, so the median time to first token falls while the last one's stays). Before each
+    step's admissions the scheduler calls :meth:`reorder` with the policy's cost: the first
+    :data:`ORDER_WINDOW` requests go by cost (smallest first), then arrival. Before them, in arrival
+    order: a request that saw later arrivals admitted before it in :data:`MAX_PASSED_OVER` steps
+    (:meth:`passed_over`), so none starves, and one that has produced tokens already (preempted, or
+    resumed after a fault), so a stream once started is not held up by newcomers and a preempted
+    request gets its blocks back before new prompts take them. With equal costs the order is
+    arrival order."""
 
     def __init__(self) -> None:
         super().__init__()
         self._passed: dict[int, int] = {}  # id(request) -> steps it was passed over (while queued)
 
-    def reorder(self, cached_blocks: Callable[[Request], int]) -> None:
-        """Order the front of the queue by ``cached_blocks(request)`` (its cached prefix, in blocks)."""
+    def reorder(self, cost: Callable[[Request], int]) -> None:
+        """Order the front of the queue by ``cost(request)`` (smallest first), then arrival."""
         queue, passed = self._queue, self._passed
-        window = [queue.popleft() for _ in range(min(len(queue), LPM_WINDOW))]
-        window.sort(key=lambda r: (passed.get(id(r), 0) < LPM_MAX_PASSED, -cached_blocks(r), r.arrival_time))
+        window = [queue.popleft() for _ in range(min(len(queue), ORDER_WINDOW))]
+        window.sort(key=lambda r: (1, cost(r), r.arrival_time) if passed.get(id(r), 0) < MAX_PASSED_OVER
+                    and not r.num_output_tokens and r.status != RequestStatus.PREEMPTED else (0, 0, r.arrival_time))
         queue.extendleft(reversed(window))
 
     def passed_over(self, admitted: Iterable[Request]) -> None:
@@ -306,7 +314,7 @@ class LPMWaitingQueue(FCFSWaitingQueue):
         if latest is None:
             return
         for k, request in enumerate(self._queue):
-            if k >= LPM_WINDOW:
+            if k >= ORDER_WINDOW:
                 break
             if request.arrival_time < latest:
                 self._passed[id(request)] = self._passed.get(id(request), 0) + 1
@@ -329,11 +337,11 @@ class LPMWaitingQueue(FCFSWaitingQueue):
 
 def create_waiting_queue(policy: str, weights: dict[str, float] | None = None):
     """The queue for a scheduling policy ("fcfs", "priority", "fair", with tenants' ``weights``,
-    or "lpm")."""
+    "lpm" or "spf")."""
     if policy == "fcfs":
         return FCFSWaitingQueue()
-    if policy == "lpm":
-        return LPMWaitingQueue()
+    if policy in ORDERED_POLICIES:
+        return OrderedWaitingQueue()
     if policy == "priority":
         return PriorityWaitingQueue()
     if policy == "fair":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from servicekit.contract.settings import check_settings, setting
 from servicekit.contract.worker import WorkerDescription
 
-POLICIES = ("fcfs", "priority", "fair", "lpm")
+POLICIES = ("fcfs", "priority", "fair", "lpm", "spf")
 # A step's duration is what a newcomer waits before its first token (and what a decoding request waits
 # for its next one), and a long prompt's chunk sets it. While other requests wait or run, a chunk of at
 # most 512 tokens keeps the step short on a CPU worker and leaves the rest of the budget to their
@@ -63,12 +63,15 @@ class SchedulingConfig(BatchLimits):
     enable_chunked_prefill: bool = setting(True, help="split long prompts over steps (off: a prompt is scheduled "
                                                       "whole or waits)")
     enable_prefix_caching: bool = setting(True, help="reuse KV blocks of shared prefixes")
-    policy: str = setting("fcfs", choices=POLICIES, help="waiting-queue order: fcfs (arrival), priority (lower "
+    policy: str = setting("spf", choices=POLICIES, help="waiting-queue order: fcfs (arrival), priority (lower "
                                                          "value first, then arrival), fair (between tenants by "
                                                          "their share of tokens served, the virtual token counter; "
-                                                         "within priority classes) or lpm (the longest cached "
-                                                         "prompt prefix first, then arrival; a request passed "
-                                                         "over in 4 steps goes first)")
+                                                         "within priority classes), lpm (the longest cached "
+                                                         "prompt prefix first, then arrival) or spf (the fewest "
+                                                         "prompt tokens left to compute first, then arrival: in a "
+                                                         "burst more first tokens come from each step); under lpm "
+                                                         "and spf a request passed over in 4 steps, or one that "
+                                                         "has produced tokens (preempted, resumed), goes first")
 
     def for_worker(self, worker: WorkerDescription) -> SchedulingConfig:
         """These settings within what ``worker`` states: its batch and step limits are maxima (where

@@ -24,7 +24,7 @@ def test_scheduler_config_names_the_bad_field(field, value):
 def test_scheduler_config_defaults():
     c = SchedulingConfig()
     assert (c.max_num_batched_tokens, c.max_num_seqs, c.long_prefill_token_threshold) == (2048, 128, 0)
-    assert c.enable_chunked_prefill and c.enable_prefix_caching and c.policy == "fcfs"
+    assert c.enable_chunked_prefill and c.enable_prefix_caching and c.policy == "spf"
 
 
 @pytest.mark.parametrize(

@@ -139,7 +139,8 @@ def test_the_cap_still_cuts_a_prompt_that_shares_nothing_with_those_that_wait():
 
 
 def test_both_caps_can_be_turned_off_and_a_tighter_hard_cap_wins():
-    off = make_scheduler(shared_prefill_token_threshold=0, prefill_chunk_attention_limit=0, **LONG_WORKER)
+    off = make_scheduler(policy="fcfs", shared_prefill_token_threshold=0, prefill_chunk_attention_limit=0,
+                         **LONG_WORKER)
     long, short = make_request(8000), make_request(4)
     off.add_request(long)
     off.add_request(short)

@@ -13,6 +13,7 @@ from scheduler_service.core import (
     RequestStatus,
     SamplingParams,
 )
+from scheduler_service.core.waiting_queue import MAX_PASSED_OVER
 from servicekit.contract.prompt import check_prompt
 
 from .helpers import EOS, make_request, make_scheduler, model_output, step
@@ -146,7 +147,7 @@ def test_preempted_request_resumes_as_a_new_request_with_its_outputs():
 
 
 def test_preempted_requests_return_to_the_front_in_their_order():
-    s = make_scheduler(num_blocks=5)  # 4 usable blocks
+    s = make_scheduler(policy="fcfs", num_blocks=5)  # 4 usable blocks
     reqs = [make_request(4, max_tokens=4) for _ in range(4)]  # 1 block each: the pool is full
     for r in reqs:
         s.add_request(r)
@@ -169,6 +170,74 @@ def test_priority_policy_admits_by_priority_then_arrival():
         out, _ = step(s)
         order.extend(out.num_scheduled_tokens)
     assert order == [high.request_id, mid.request_id, mid_later.request_id, low.request_id]
+
+
+def test_spf_policy_admits_the_fewest_prompt_tokens_first_and_fcfs_arrival_order():
+    """A burst of prompts of mixed lengths: spf fills the step with the short ones (more first tokens
+    from the step), fcfs takes arrival order; the cached prefix counts as computed."""
+    lengths = (40, 8, 24, 12, 4)
+    admitted = {}
+    for policy in ("fcfs", "spf"):
+        s = make_scheduler(policy=policy, max_num_batched_tokens=48, shared_prefill_token_threshold=0)
+        burst = [make_request(n, max_tokens=1, request_id=f"len{n}") for n in lengths]
+        for r in burst:
+            s.add_request(r)
+        out = s.schedule()
+        admitted[policy] = out.num_scheduled_tokens
+        run_to_completion(s)
+        s.kv_cache_manager.block_pool.check_invariants()
+    assert admitted["fcfs"] == {"len40": 40, "len8": 8}
+    assert admitted["spf"] == {"len4": 4, "len8": 8, "len12": 12, "len24": 24}
+    # A long prompt whose prefix the cache holds is cheap: it goes before a shorter cold one.
+    s = make_scheduler(policy="spf", max_num_batched_tokens=16, shared_prefill_token_threshold=0)
+    system = make_request(33, max_tokens=1, request_id="system")
+    s.add_request(system)
+    run_to_completion(s)
+    cold = make_request(12, max_tokens=1, request_id="cold")
+    warm = make_request(prompt_token_ids=list(system.prompt_token_ids[:32]) + [11, 12], max_tokens=1,
+                        request_id="warm")  # 8 cached blocks, 2 tokens left
+    s.add_request(cold)
+    s.add_request(warm)
+    out = s.schedule()
+    assert list(out.num_scheduled_tokens) == ["warm", "cold"] and out.num_scheduled_tokens["warm"] == 2
+
+
+def test_spf_policy_admits_a_long_prompt_after_at_most_max_passed_over_steps():
+    """A long prompt behind a stream of short later arrivals that fill every step's budget goes
+    first once it has been passed over MAX_PASSED_OVER times: no starvation."""
+    s = make_scheduler(policy="spf", max_num_batched_tokens=8, shared_prefill_token_threshold=0, max_num_seqs=256)
+    s.add_request(make_request(24, max_tokens=1, request_id="long"))
+    for step_index in range(20):
+        for _ in range(4):  # four 2-token later arrivals a step: a full budget
+            s.add_request(make_request(2, max_tokens=1))
+        out, _ = step(s)
+        if "long" in out.num_scheduled_tokens:
+            break
+    else:
+        raise AssertionError("the long prompt was never admitted")
+    assert step_index == MAX_PASSED_OVER
+    assert list(out.num_scheduled_tokens) == ["long"]  # first in the step, its chunk takes the budget
+    run_to_completion(s)
+    s.kv_cache_manager.block_pool.check_invariants()
+
+
+def test_spf_policy_puts_requests_that_produced_tokens_before_shorter_newcomers():
+    """Preempted (and resumed) requests are not overtaken by shorter newcomers: their streams have
+    started, and a preempted one gets its blocks back before new prompts take them."""
+    s = make_scheduler(policy="spf", num_blocks=5)  # 4 usable blocks
+    reqs = [make_request(4, max_tokens=4) for _ in range(4)]  # 1 block each: the pool is full
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    out, _ = step(s)  # each needs a 2nd block: the last two give theirs to the first two
+    assert out.preempted_req_ids == {reqs[2].request_id, reqs[3].request_id}
+    newcomer = make_request(1, max_tokens=2)
+    resumed = make_request(6, max_tokens=4, output_token_ids=[100])  # after a fault, one token delivered
+    s.add_request(newcomer)
+    s.add_request(resumed)
+    s.waiting.reorder(s._admission_cost)
+    assert list(s.waiting) == [reqs[2], reqs[3], resumed, newcomer]
+    assert sorted(run_to_completion(s)) == sorted(r.request_id for r in (*reqs, newcomer, resumed))
 
 
 def test_priority_policy_preempts_the_lowest_priority_running_request():
@@ -200,7 +269,8 @@ def test_priority_preemption_takes_back_a_victim_already_scheduled_this_step():
 
 
 def test_a_waiting_request_without_blocks_is_not_overtaken():
-    s = make_scheduler(num_blocks=5)  # 4 usable blocks
+    """In queue order (fcfs: arrival) the head waits for its blocks and nothing behind overtakes it."""
+    s = make_scheduler(policy="fcfs", num_blocks=5)  # 4 usable blocks
     s.add_request(make_request(8, max_tokens=8))
     big, small = make_request(12, max_tokens=4), make_request(2, max_tokens=2)
     s.add_request(big)

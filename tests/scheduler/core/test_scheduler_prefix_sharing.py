@@ -6,7 +6,7 @@ does per layer, so a hit on a block that another request of the same step fills 
 
 from __future__ import annotations
 
-from scheduler_service.core.waiting_queue import LPM_MAX_PASSED
+from scheduler_service.core.waiting_queue import MAX_PASSED_OVER
 
 from .helpers import FakeWorker, make_prompt, make_request, make_scheduler
 
@@ -28,7 +28,7 @@ def token_fn(request_id: str, index: int) -> int:
 
 
 def test_two_requests_with_one_prefix_admitted_in_one_step_share_it():
-    s = make_scheduler()
+    s = make_scheduler(policy="fcfs")
     system = make_prompt(12, "system")  # 3 full blocks
     a = make_request(prompt_token_ids=system + [50, 51], max_tokens=3)
     b = make_request(prompt_token_ids=system + [60], max_tokens=3)
@@ -121,7 +121,7 @@ def test_a_request_preempted_after_filling_blocks_in_its_step_leaves_no_hit_on_t
 def test_lpm_admits_requests_finding_their_prefix_cached_before_earlier_ones():
     """Policy lpm: with a shared prefix cached, the requests that find it go before an earlier
     request that finds nothing, in a step whose budget cannot take them all; FCFS keeps arrival
-    order. The passed-over request goes first after LPM_MAX_PASSED such steps."""
+    order. The passed-over request goes first after MAX_PASSED_OVER such steps."""
     system = make_prompt(32, "system")  # 8 full blocks
     order = {}
     for policy in ("fcfs", "lpm"):
@@ -146,7 +146,7 @@ def test_lpm_admits_requests_finding_their_prefix_cached_before_earlier_ones():
 
 def test_lpm_lets_a_passed_over_request_go_first():
     """Policy lpm: a request that finds nothing cached, behind a stream of requests that find
-    their prefix and fill every step's budget, is admitted after at most LPM_MAX_PASSED steps."""
+    their prefix and fill every step's budget, is admitted after at most MAX_PASSED_OVER steps."""
     system = make_prompt(32, "system")
     s = make_scheduler(policy="lpm", max_num_batched_tokens=8, shared_prefill_token_threshold=0, max_num_seqs=64)
     worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn)
@@ -165,6 +165,6 @@ def test_lpm_lets_a_passed_over_request_go_first():
         admitted_before_cold += len(ids)
     else:
         raise AssertionError("cold was never admitted")
-    assert admitted_before_cold == 8 * LPM_MAX_PASSED and step == LPM_MAX_PASSED
+    assert admitted_before_cold == 8 * MAX_PASSED_OVER and step == MAX_PASSED_OVER
     play(s, worker)
     s.kv_cache_manager.block_pool.check_invariants()

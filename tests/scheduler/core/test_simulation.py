@@ -81,6 +81,7 @@ def simulate(num_requests: int, seed: int, *, tenants: int = 0, model=token_fn, 
     dict(policy="priority", long_prefill_token_threshold=16),
     dict(policy="fair", tenants=4),
     dict(policy="lpm"),
+    dict(policy="spf"),
 ])
 def test_thousand_requests_all_finish_exactly_under_preemption(config):
     stats = simulate(1000, seed=7, num_blocks=81, block_size=4, max_model_len=128, max_num_batched_tokens=64,

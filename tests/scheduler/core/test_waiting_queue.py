@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.core import FCFSWaitingQueue, LPMWaitingQueue, PriorityWaitingQueue, create_waiting_queue
-from scheduler_service.core.waiting_queue import LPM_MAX_PASSED
+from scheduler_service.core import FCFSWaitingQueue, OrderedWaitingQueue, PriorityWaitingQueue, create_waiting_queue
+from scheduler_service.core.waiting_queue import MAX_PASSED_OVER
 
 from .helpers import make_request
 
@@ -43,30 +43,31 @@ def test_priority_order_is_priority_then_arrival_then_insertion():
     assert [q.pop() for _ in range(len(q))] == [late_urgent, tie_second, early_lazy]
 
 
-def test_lpm_orders_by_cached_prefix_then_arrival_and_lets_none_starve():
-    q = LPMWaitingQueue()
+def test_ordered_queue_goes_by_cost_then_arrival_and_lets_none_starve():
+    q = OrderedWaitingQueue()
     first, second, third, fourth = (make_request(2, arrival_time=float(t)) for t in range(4))
     for r in (first, second, third, fourth):
         q.add(r)
-    cached = {id(first): 0, id(second): 5, id(third): 0, id(fourth): 5}
-    q.reorder(lambda r: cached[id(r)])
-    assert list(q) == [second, fourth, first, third]  # longest cached prefix first, then arrival
+    cost = {id(first): 0, id(second): -5, id(third): 0, id(fourth): -5}
+    q.reorder(lambda r: cost[id(r)])
+    assert list(q) == [second, fourth, first, third]  # the smallest cost first, then arrival
     assert q.pop() is second and q.pop() is fourth
-    for _ in range(LPM_MAX_PASSED):  # later arrivals admitted before first and third ...
+    for _ in range(MAX_PASSED_OVER):  # later arrivals admitted before first and third ...
         q.passed_over([make_request(2, arrival_time=9.0)])
-        q.reorder(lambda r: {id(first): 0, id(third): 0}.get(id(r), 7))
+        q.reorder(lambda r: {id(first): 0, id(third): 0}.get(id(r), -7))
     late = make_request(2, arrival_time=10.0)
     q.add(late)
-    cached[id(late)] = 9
-    q.reorder(lambda r: cached[id(r)])
+    cost[id(late)] = -9
+    q.reorder(lambda r: cost[id(r)])
     assert list(q) == [first, third, late]  # ... so they go before any cached prefix now
     q.remove(first)
     q.passed_over([third])  # nobody queued arrived before the admitted one: nobody passed over
     assert q.pop() is third and q.pop() is late and not q
 
 
-def test_lpm_without_a_cached_prefix_is_arrival_order():
-    q = create_waiting_queue("lpm")
+@pytest.mark.parametrize("policy", ["lpm", "spf"])
+def test_ordered_policies_with_equal_costs_keep_arrival_order(policy):
+    q = create_waiting_queue(policy)
     requests = [make_request(2, arrival_time=float(t)) for t in (3, 1, 2)]
     for r in requests:
         q.add(r)
