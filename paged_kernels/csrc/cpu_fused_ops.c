@@ -77,7 +77,20 @@ void rope_bf16(bf16_t *x, int64_t tok_stride, int64_t head_stride, int64_t rows,
         const float *c = cos_table + positions[t] * table_stride, *s = sin_table + positions[t] * table_stride;
         for (int64_t h = 0; h < heads; h++) {
             bf16_t *v = x + t * tok_stride + h * head_stride;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+#ifdef HAVE_AVX512
+            for (; i + 16 <= half; i += 16) {  /* the same steps, 16 pairs at a time */
+                const __m512 a = widen16_bf16(v + i), b = widen16_bf16(v + i + half);
+                const __m256i lo = narrow16_bf16(_mm512_fmadd_ps(a, _mm512_loadu_ps(c + i),
+                                                                 _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b),
+                                                                               _mm512_loadu_ps(s + i))));
+                const __m256i hi = narrow16_bf16(_mm512_fmadd_ps(b, _mm512_loadu_ps(c + i + half),
+                                                                 _mm512_mul_ps(a, _mm512_loadu_ps(s + i + half))));
+                _mm256_storeu_si256((__m256i *)(v + i), lo);
+                _mm256_storeu_si256((__m256i *)(v + i + half), hi);
+            }
+#endif
+            for (; i < half; i++) {
                 const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
                 v[i] = f32_to_bf16(a * c[i] + -b * s[i]);
                 v[i + half] = f32_to_bf16(b * c[i + half] + a * s[i + half]);
