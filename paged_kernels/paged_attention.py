@@ -262,6 +262,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     max_query_len: int | None = None,
+    step_cache: dict | None = None,  # signature parity with the CPU op; unused (the launcher derives little)
 ) -> torch.Tensor:
     """Causal paged attention for a mixed decode/prefill batch in one launch (Triton).
 
@@ -273,6 +274,7 @@ def paged_attention(
     shape. Without it, ``num_tokens == num_seqs`` identifies a decode-only batch. The launcher never
     reads device values, so it does not sync and can be captured in a CUDA graph.
     """
+    del step_cache
     check_paged_attention_inputs(
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out
     )

@@ -48,6 +48,7 @@ def ref_paged_attention(
     *,
     num_splits: int | None = None,  # accepted for signature parity with the Triton op; unused
     max_query_len: int | None = None,  # likewise unused
+    step_cache: dict | None = None,  # likewise (the CPU op keeps what it derives from a step's metadata there)
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' paged K/V cache.
 
@@ -57,7 +58,7 @@ def ref_paged_attention(
     ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). Softmax in fp32; the result is
     in ``query``'s dtype (written into ``out`` when given, which is also returned).
     """
-    del num_splits, max_query_len
+    del num_splits, max_query_len, step_cache
     if out is None:
         out = torch.empty_like(query)
     block_size = key_cache.shape[1]

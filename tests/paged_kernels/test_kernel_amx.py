@@ -70,8 +70,8 @@ def test_bf16_chunks_of_8_rows_or_more_take_the_tiles(paged_batch, monkeypatch, 
     calls = []
     tiles = cpu._amx_prefill_batch
 
-    def recording(query, key_cache, value_cache, block_tables, seqs, starts, q_lens, *args):
-        ran = tiles(query, key_cache, value_cache, block_tables, seqs, starts, q_lens, *args)
+    def recording(query, key_cache, value_cache, block_tables, seqs, starts, q_lens, *args, **kwargs):
+        ran = tiles(query, key_cache, value_cache, block_tables, seqs, starts, q_lens, *args, **kwargs)
         if ran:
             calls.append([q_lens[s] for s in seqs])
         return ran

@@ -176,7 +176,7 @@ def test_with_amx_but_no_tile_kernel_long_bf16_chunks_go_to_sdpa(paged_batch, mo
     SDPA's tile GEMMs beat a row per token past _SDPA_MIN_PAIRS: bf16 chunks that large go there
     (and still match the reference); short ones, decode rows and fp32 stay in C."""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16", "amx_bf16"}))
-    monkeypatch.setattr(cpu, "_amx_prefill_batch", lambda *args: False)
+    monkeypatch.setattr(cpu, "_amx_prefill_batch", lambda *args, **kwargs: False)
     sdpa_rows = []
     sdpa = cpu._prefill
     monkeypatch.setattr(cpu, "_prefill", lambda *args: sdpa_rows.append(args[0].shape[0]) or sdpa(*args))
@@ -418,6 +418,26 @@ def test_decode_groups_sort_by_length_and_bound_padding():
         longest, total = max(lens[s] for s in g), sum(lens[s] for s in g)
         assert len(g) == 1 or longest * len(g) <= (1 + _DECODE_PADDING) * total
     assert [lens[s] for s in groups[-1]] == [480, 500, 510]  # the long ones share one gather
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [MIXED, DECODE, dict(q_lens=[100, 8, 3, 1], seq_lens=[300, 40, 77, 9])],
+                         ids=["mixed", "decode", "chunks"])
+def test_a_steps_layers_share_one_plan_through_the_step_cache(paged_batch, dtype, shape):
+    """Calls with one step's metadata and one ``step_cache`` (a step's layers: each its own query
+    and cache) build what they derive from the metadata once, and each still gets its own result."""
+    layers = [paged_batch(**shape, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, head_major=True,
+                          dtype=dtype, seed=seed) for seed in (4, 5, 6)]
+    meta = layers[0].args()[3:]  # block tables, query_start_loc, seq_lens, scale
+    step_cache: dict = {}
+    plans = []
+    for layer in layers:
+        args = (*layer.args()[:3], *meta)
+        out = cpu.cpu_paged_attention(*args, step_cache=step_cache)
+        torch.testing.assert_close(out.float(), ref_paged_attention(*args).float(), **TOLERANCE[dtype])
+        plans.append(step_cache[cpu._PLAN])
+    assert plans[0] is plans[1] is plans[2]
+    assert list(step_cache) == [cpu._PLAN]
 
 
 def test_gathers_reuse_scratch_between_calls(paged_batch, torch_decode):

@@ -12,7 +12,7 @@ same arithmetic in one pass each.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -136,6 +136,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32: context length including this step's tokens
     max_query_len: int
     max_seq_len: int
+    # The attention op's memo for this step (``step_cache``): what it derives from the fields above,
+    # made by the first layer's call and read by the others.
+    step_cache: dict = field(default_factory=dict)
 
 
 ReshapeAndCache = Callable[..., None]
@@ -166,6 +169,6 @@ class ForwardContext:
         self.reshape_and_cache(k, v, key_cache, value_cache, m.slot_mapping)
         attended = self.paged_attention(
             q, key_cache, value_cache, m.block_tables, m.query_start_loc, m.seq_lens, scale,
-            None if out is None else out[:n], max_query_len=m.max_query_len,
+            None if out is None else out[:n], max_query_len=m.max_query_len, step_cache=m.step_cache,
         )
         return attended if out is None else out
