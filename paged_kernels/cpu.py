@@ -326,8 +326,8 @@ class _StepPlan:
     lens: list[int]
     q_lens: list[int]
     decode_only: bool  # every sequence one decode row: the batched call, no per-sequence work
-    row_tables: torch.Tensor | None = None  # the decode rows' block tables (int32), a row per token
-    row_seq_lens: torch.Tensor | None = None  # their lengths (int32) ...
+    row_tables: torch.Tensor | None = None  # the decode rows' block tables, a row per token
+    row_seq_lens: torch.Tensor | None = None  # their lengths (in seq_lens' dtype) ...
     row_lens: list[int] = field(default_factory=list)  # ... and as a list
     rows: torch.Tensor | None = None  # their tokens' rows of the query; None: every token is a row
     chunks: list[int] = field(default_factory=list)  # sequences computed as prefill chunks ...
