@@ -92,12 +92,10 @@ static inline __attribute__((always_inline)) void store(int tile, float *acc, co
     case T_C3: _tile_stored(T_C3, acc, GROUP * sizeof(float)); break;
     default: _tile_stored(T_C_LAST, acc, GROUP * sizeof(float)); break;
     }
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
-                          : _mm512_setzero_ps();
+    const __m512 b = bias ? widen16_bf16(bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++)
         _mm256_storeu_si256((__m256i *)(y + r * ldy),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + r * GROUP), b)));
+                            narrow16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + r * GROUP), b)));
 }
 
 /* One chunk of up to CHUNK_BLOCKS row blocks for 16 columns: y and x point at the chunk's first
