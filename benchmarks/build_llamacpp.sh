@@ -35,7 +35,9 @@ NAME=$(basename "$SDIST" .tar.gz)  # llama_cpp_python-X.Y.Z
 SRC="$DIR/src/$NAME/vendor/llama.cpp"
 if [ ! -d "$SRC" ]; then
     mkdir -p "$DIR/src"
-    tar xzf "$SDIST" -C "$DIR/src"
+    # Only what the build reads: the packages' documentation and GitHub templates stay in the sdist.
+    tar xzf "$SDIST" -C "$DIR/src" --exclude="$NAME/docs" --exclude="$NAME/.github" \
+        --exclude="$NAME/vendor/llama.cpp/docs" --exclude="$NAME/vendor/llama.cpp/.github"
 fi
 
 # The sdist has no .git; the llama.cpp commit it vendors is the one its CHANGELOG names for this
