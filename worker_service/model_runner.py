@@ -13,7 +13,7 @@ once. Logits are computed only for the rows that sample.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -131,6 +131,9 @@ class ModelRunner:
         # of kernel time over a served burst of 64 requests).
         self._logits_out = torch.empty((0, self.vocab_size), dtype=torch.float32) \
             if self.device.type == "cpu" and loaded.dtype == torch.bfloat16 else None
+        # the drafts proposed with the latest step's answer, by request id, with the known-token
+        # count they follow: a continuation's ``num_own_drafts`` are taken from here
+        self._own_drafts: dict[str, tuple[int, list[int]]] = {}
         ops = get_attention_ops(config.attention_backend, self.device.type)
         self.reshape_and_cache, self.paged_attention = ops.reshape_and_cache, ops.paged_attention
         self.attention_backend = ops.backend
@@ -176,6 +179,9 @@ class ModelRunner:
         sampled token is appended to the worker's copy of them.
         """
         self._update_states(scheduler_output)
+        if scheduler_output.continuation:
+            scheduler_output = self._continue(scheduler_output)
+        self._own_drafts = {}  # the proposals below, for this step's continuation only
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
@@ -226,6 +232,32 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             batch.add(new)
         batch.update(so.scheduled_cached_reqs)
+
+    def _continue(self, so: SchedulerOutput) -> SchedulerOutput:
+        """A continuation as this worker runs it (``servicekit.contract.step``): each request
+        decodes its last known token, then the drafts proposed for it with the previous step's
+        answer, up to ``num_own_drafts`` (fewer when the previous step's tokens left fewer)."""
+        if so.scheduled_new_reqs or so.scheduled_spec_decode_tokens:
+            raise ValueError("a continuation with new requests or scheduled draft tokens")
+        batch = self.batch
+        req_ids = so.scheduled_cached_reqs.req_ids
+        if set(req_ids) != set(so.num_scheduled_tokens) or any(n != 1 for n in so.num_scheduled_tokens.values()):
+            raise ValueError("a continuation schedules one token for each request it holds, and nothing else")
+        rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        batch.num_computed_tokens[rows] = batch.num_tokens[rows] - 1
+        spec: dict[str, list[int]] = {}
+        if so.num_own_drafts:
+            for rid, row in zip(req_ids, rows.tolist()):
+                proposal = self._own_drafts.get(rid)
+                if proposal is not None and proposal[0] == batch.num_tokens[row]:
+                    spec[rid] = proposal[1][:so.num_own_drafts]
+        if not spec:
+            return so
+        num_scheduled = dict(so.num_scheduled_tokens)
+        for rid, drafts in spec.items():
+            num_scheduled[rid] += len(drafts)
+        return replace(so, num_scheduled_tokens=num_scheduled, scheduled_spec_decode_tokens=spec,
+                       total_num_scheduled_tokens=so.total_num_scheduled_tokens + sum(map(len, spec.values())))
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.block_size
@@ -409,6 +441,7 @@ class ModelRunner:
             proposal = index.propose(min(k, batch.sampling_params[row].max_drafts(num_outputs)))
             if proposal:
                 drafts[rid] = proposal
+                self._own_drafts[rid] = (int(batch.num_tokens[row]), proposal)
         return drafts
 
     def _verify_drafts(self, inputs: StepInputs, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

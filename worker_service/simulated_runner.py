@@ -77,6 +77,8 @@ class SimulatedRunner:
             computed[r.request_id] = r.num_computed_tokens
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        if so.continuation:  # as the real runner: each decodes its last token as known here
+            computed.update((rid, self._num_tokens[rid] - 1) for rid in cached.req_ids)
         sampled: dict[str, list[int]] = {}
         spec = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():

@@ -37,6 +37,7 @@ _RUNNING = RequestStatus.RUNNING
 # Waiting requests (from the head) looked at for a prefix a capped prefill chunk shares with them:
 # those admitted in the next steps, at a bounded cost per step.
 SHARED_PREFIX_LOOKAHEAD = 64
+MAX_OWN_DRAFTS = 16  # the most draft tokens a continuation lets a worker verify per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,9 @@ class Scheduler:
         # running requests with draft tokens for the next step (n-gram speculation), by id: the
         # worker's proposals taken by the latest update_from_output, for the token ids as they are since
         self._drafted: dict[str, Request] = {}
+        # draft tokens a continuation lets the worker verify per request: the longest proposal
+        # seen from it (a worker without speculation proposes none)
+        self.own_draft_limit = 0
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -304,53 +308,75 @@ class Scheduler:
         from here. Returns None, changing nothing that matters, unless the plan ``schedule()``
         would make after ``update_from_output(in_flight, ...)`` is known now: every running request
         was scheduled in ``in_flight`` and samples in it, and no waiting request could take a seat.
-        Then each one that can still grow decodes one token; one that reaches ``max_tokens`` in
-        ``in_flight`` is left out. A request that stops on a stop token in ``in_flight`` computes
-        one token too many: ``update_from_output`` drops it (it is finished by then) and the next
-        plan lists it in ``finished_req_ids``. Blocks this plan allocates hold a token not known
-        here, so they enter the prefix cache only once that token is appended (``cache_blocks``
-        covers blocks with known hashes only). Too few free blocks returns None, allocating nothing
-        (every block a request holds must reach the worker in some plan's ``new_block_ids``).
+        Then each one that can still grow decodes: a continuation (``SchedulerOutput.continuation``)
+        computes each request's last token as the worker knows it, and up to ``num_own_drafts``
+        draft tokens of the worker's own proposal after it. So a step with draft tokens has a
+        continuation too: how many of its drafts are accepted is the worker's to know, and the
+        plan holds blocks for all of them and all of the continuation's (a rejected draft's slot is
+        rewritten later, as in any step with drafts). ``num_own_drafts`` is the longest proposal
+        this worker has made, within the token budget.
 
-        A step with draft tokens (n-gram speculation) has no continuation: how many of them are
-        accepted decides the next plan; nor has one while drafts wait for ``schedule()``.
+        One that may reach ``max_tokens`` in ``in_flight`` is left out. A request that stops in
+        ``in_flight`` computes a token or a few too many: ``update_from_output`` drops them (it is
+        finished by then) and the next plan lists it in ``finished_req_ids``. Blocks this plan
+        allocates hold tokens not known here, so they enter the prefix cache only once those
+        tokens are appended (``cache_blocks`` covers blocks with known hashes only). Too few free
+        blocks returns None, allocating nothing (every block a request holds must reach the
+        worker in some plan's ``new_block_ids``).
 
-        Call it at most once per step in flight, before that step's ``update_from_output``."""
+        Call it at most once per step in flight, after the ``update_from_output`` of every step
+        before it and before its own."""
         planned = in_flight.num_scheduled_tokens
         running = self.running
-        if not planned or not running or in_flight.scheduled_spec_decode_tokens or self._drafted:
-            return None  # drafts in flight (their accepted count is not known) or for a plan to take
+        if not planned or not running:
+            return None
         if self.waiting and (len(running) < self.config.max_num_seqs or self._fair_seat_victim() is not None):
             return None  # a waiting request may take a seat: schedule() decides, with the results in
         if len(running) > self.config.max_num_batched_tokens:
             return None
+        spec = in_flight.scheduled_spec_decode_tokens
+        own = self.own_draft_limit if len(running) * (1 + self.own_draft_limit) <= self.config.max_num_batched_tokens \
+            else 0
         kv = self.kv_cache_manager
         growing: list[tuple[Request, int]] = []
         num_new_blocks = 0
         for request in running:
             rid = request.request_id
             n = planned.get(rid)
-            if n is None or request.num_computed_tokens + n != len(request.all_token_ids):
-                # Not in the step (budget), or a partial prefill chunk: schedule() plans it.
-                return None
-            if request.num_output_tokens + 1 >= request.max_tokens:
-                continue  # its token in flight is its last
-            growing.append((request, n))
-            num_new_blocks += kv.get_num_new_blocks(request, n + 1)
+            num_tokens = len(request.all_token_ids)
+            if in_flight.continuation:  # its last token, and up to ``num_own_drafts`` drafts
+                if n is None or request.num_computed_tokens + 1 != num_tokens:
+                    return None
+                gained = 1 + in_flight.num_own_drafts  # the most tokens it can gain in flight
+            else:
+                drafts = len(spec[rid]) if spec and rid in spec else 0
+                if n is None or request.num_computed_tokens + n - drafts != num_tokens:
+                    # Not in the step (budget), or a partial prefill chunk: schedule() plans it.
+                    return None
+                gained = 1 + drafts
+            if request.num_output_tokens + gained >= request.max_tokens:
+                continue  # its tokens in flight may be its last
+            # slots up to its last token after ``in_flight`` and the drafts after that, within
+            # the most tokens it can ever hold
+            need = min(num_tokens + gained + own, request.num_prompt_tokens + request.max_tokens) \
+                - request.num_computed_tokens
+            growing.append((request, need))
+            num_new_blocks += kv.get_num_new_blocks(request, need)
         if not growing or num_new_blocks > kv.get_num_free_blocks():
             return None  # memory short: schedule() preempts, with the results in (nothing allocated here)
         cached_reqs = CachedRequestData()
         num_scheduled: dict[str, int] = {}
-        for request, n in growing:
+        for request, need in growing:
             rid = request.request_id
-            new_blocks = kv.allocate_slots(request, n + 1)
+            new_blocks = kv.allocate_slots(request, need)
             assert new_blocks is not None  # counted above
             num_scheduled[rid] = 1
+            # the tokens known here: no more than the worker will have computed (it uses its own count)
             cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS,
-                               request.num_computed_tokens + n)
+                               len(request.all_token_ids))
         output = SchedulerOutput(scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
                                  total_num_scheduled_tokens=len(num_scheduled),
-                                 finished_req_ids=self.finished_req_ids)
+                                 finished_req_ids=self.finished_req_ids, continuation=True, num_own_drafts=own)
         self.finished_req_ids = set()
         return output
 
@@ -367,6 +393,7 @@ class Scheduler:
         """
         sampled = model_runner_output.sampled_token_ids
         spec = scheduler_output.scheduled_spec_decode_tokens
+        continuation, own = scheduler_output.continuation, scheduler_output.num_own_drafts
         for request in self._drafted.values():  # drafts for token ids this step may change
             request.spec_token_ids = []
         drafted: dict[str, Request] = {}
@@ -395,6 +422,9 @@ class Scheduler:
                     k = len(spec[rid])
                     tokens = tokens[:k + 1]
                     computed -= k + 1 - len(tokens)
+                elif continuation:  # its last token, the worker's own drafts accepted, one more
+                    tokens = tokens[:own + 1]
+                    computed += len(tokens) - 1
             else:
                 tokens = None  # a partial prefill chunk samples nothing
             request.num_computed_tokens = computed  # full blocks were cached at allocation
@@ -441,6 +471,8 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING or rid not in sampled or rid not in planned:
                 continue
+            if len(drafts) > self.own_draft_limit:
+                self.own_draft_limit = min(len(drafts), MAX_OWN_DRAFTS)
             drafts = drafts[:request.sampling_params.max_drafts(request.num_output_tokens)]
             if drafts:
                 request.spec_token_ids = drafts

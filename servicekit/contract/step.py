@@ -32,6 +32,14 @@ Invariants a worker may rely on:
   and a request's rows over its own prefix may run on AMX tiles: within bf16 rounding). A worker
   proposes drafts with a step's answer (``ModelRunnerOutput.spec_token_ids``); the scheduler
   schedules them, within ``SamplingParams.max_drafts``, in the request's next step or not at all.
+- A *continuation* (``continuation``, asynchronous scheduling) is planned before the results of
+  the step sent just before it: every request in it is held and decodes. The worker computes each
+  one's last token as it knows it after that step (``num_computed_tokens`` there is the tokens
+  the scheduler knows, a lower bound: the worker's own count of known tokens less one is the
+  one that holds), and after it up to ``num_own_drafts`` draft tokens of its own proposal from
+  that step's answer, within ``SamplingParams.max_drafts``, verified as above
+  (``num_scheduled_tokens`` stays 1: the answer's token count says how many were accepted).
+  The plan's blocks cover every position such a step may compute.
 """
 
 from __future__ import annotations
@@ -103,6 +111,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # request id -> draft tokens to verify after its last token (only requests that have some)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # planned before the previous step's results: each request decodes from its last token as the
+    # worker knows it, with up to ``num_own_drafts`` drafts of the worker's own (module docstring)
+    continuation: bool = False
+    num_own_drafts: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -60,7 +60,8 @@ def scheduler_output_to_pb(so: SchedulerOutput, step_id: int) -> worker_pb2.Step
     message per request."""
     msg = worker_pb2.StepRequest(
         step_id=step_id, total_num_scheduled_tokens=so.total_num_scheduled_tokens,
-        finished_req_ids=so.finished_req_ids, preempted_req_ids=so.preempted_req_ids)
+        finished_req_ids=so.finished_req_ids, preempted_req_ids=so.preempted_req_ids,
+        continuation=so.continuation, num_own_drafts=so.num_own_drafts)
     n = so.num_scheduled_tokens
     for r in so.scheduled_new_reqs:
         new = msg.scheduled_new_reqs.add(
@@ -124,7 +125,8 @@ def scheduler_output_from_pb(msg: worker_pb2.StepRequest) -> SchedulerOutput:
         scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
         num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=msg.total_num_scheduled_tokens,
         finished_req_ids=set(msg.finished_req_ids), preempted_req_ids=set(msg.preempted_req_ids),
-        scheduled_spec_decode_tokens=_drafts_from_pb(msg.scheduled_spec_decode_tokens))
+        scheduled_spec_decode_tokens=_drafts_from_pb(msg.scheduled_spec_decode_tokens),
+        continuation=msg.continuation, num_own_drafts=msg.num_own_drafts)
 
 
 def runner_output_to_pb(output: ModelRunnerOutput, step_id: int, execute_seconds: float

@@ -55,6 +55,17 @@ def test_step_diff_round_trips_between_scheduler_and_worker():
     assert step.scheduler_output_to_pb(step.scheduler_output_from_pb(msg), 7) == msg
 
 
+def test_a_continuation_round_trips_with_its_draft_allowance():
+    so = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["b", "e"], [[7], []], [30, 8]),
+                         num_scheduled_tokens={"b": 1, "e": 1}, total_num_scheduled_tokens=2, finished_req_ids={"c"},
+                         continuation=True, num_own_drafts=3)
+    msg = step.scheduler_output_to_pb(so, 7)
+    assert msg.continuation and msg.num_own_drafts == 3
+    assert step.scheduler_output_from_pb(msg) == so
+    plain = step.scheduler_output_from_pb(step.scheduler_output_to_pb(make_step(), 1))
+    assert not plain.continuation and plain.num_own_drafts == 0
+
+
 def test_runner_output_round_trips_between_worker_and_scheduler():
     out = make_runner_output()
     msg = step.runner_output_to_pb(out, 7, 0.25)

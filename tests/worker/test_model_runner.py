@@ -192,6 +192,44 @@ def test_drafts_are_verified_as_one_token_steps_would_sample(hf):
         assert runner.execute_model(plan).sampled_token_ids["a"] == expected[1 + len(kept):2 + len(kept)]
 
 
+def test_a_continuation_decodes_the_workers_last_token_and_its_own_drafts(hf):
+    prompt = random_prompts([9], seed=6)[0]
+    expected = hf_greedy(hf, prompt, 10)
+    for own, num_own_drafts, kept in [
+        (expected[1:4], 3, expected[1:5]),  # all right: the three and the token after them
+        ([expected[1], 0, expected[3]], 3, expected[1:3]),  # the second wrong: up to its correction
+        (expected[1:4], 1, expected[1:3]),  # the plan allows one
+        (expected[1:4], 0, expected[1:2]),  # none allowed: one token
+    ]:
+        runner = make_runner(hf)
+        first = runner.execute_model(step([new_req("a", prompt, [1, 2, 3, 4])], num_scheduled={"a": 9}))
+        assert first.sampled_token_ids["a"] == expected[:1]
+        runner._own_drafts["a"] = (10, list(own))  # stands for its prompt-lookup proposal with that answer
+        # planned before that answer: the scheduler knows 9 tokens computed, the worker 10 tokens known
+        plan = step(cached=[("a", [], 9)], num_scheduled={"a": 1})
+        plan.continuation, plan.num_own_drafts = True, num_own_drafts
+        assert runner.execute_model(plan).sampled_token_ids["a"] == kept
+        # and the next continuation goes on after the kept tokens (no drafts proposed for them)
+        plan = step(cached=[("a", [], 10)], num_scheduled={"a": 1})
+        plan.continuation, plan.num_own_drafts = True, 3
+        assert runner.execute_model(plan).sampled_token_ids["a"] == expected[1 + len(kept):2 + len(kept)]
+
+
+def test_a_continuation_takes_only_drafts_for_the_tokens_the_worker_holds(hf):
+    prompt = random_prompts([9], seed=6)[0]
+    expected = hf_greedy(hf, prompt, 3)
+    runner = make_runner(hf)
+    runner.execute_model(step([new_req("a", prompt, [1, 2, 3, 4])], num_scheduled={"a": 9}))
+    runner._own_drafts["a"] = (9, expected[1:3])  # proposed for an older token count: not used
+    plan = step(cached=[("a", [], 10)], num_scheduled={"a": 1})
+    plan.continuation, plan.num_own_drafts = True, 3
+    assert runner.execute_model(plan).sampled_token_ids["a"] == expected[1:2]
+    bad = step(cached=[("a", [], 11)], num_scheduled={"a": 2})
+    bad.continuation = True
+    with pytest.raises(ValueError, match="one token for each request"):
+        runner.execute_model(bad)
+
+
 def test_drafts_a_worker_cannot_verify_are_refused(hf):
     runner = make_runner(hf)
     prompt = random_prompts([9], seed=6)[0]

@@ -125,6 +125,8 @@ class FakeWorker:
     num_drafts: int = 0  # draft tokens to propose per request (0: none)
     held: dict[str, _HeldRequest] = field(default_factory=dict)
     kv: list = field(default_factory=list)
+    # its latest answer's drafts: request id -> (token count they follow, drafts)
+    proposed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.kv = [None] * (self.num_blocks * self.block_size)
@@ -160,14 +162,25 @@ class FakeWorker:
         for rid, new_block_ids, num_computed_tokens in zip(cached.req_ids, cached.new_block_ids,
                                                           cached.num_computed_tokens):
             held = self.held[rid]
-            assert num_computed_tokens == held.num_computed_tokens
+            if out.continuation:  # the scheduler's count is a lower bound; it decodes its last token
+                assert num_computed_tokens <= len(held.token_ids)
+                assert held.num_computed_tokens == len(held.token_ids) - 1, "a continuation of a request not decoding"
+            else:
+                assert num_computed_tokens == held.num_computed_tokens
             held.block_ids.extend(new_block_ids)
         sampled: dict[str, list[int]] = {}
         bs = self.block_size
         spec = out.scheduled_spec_decode_tokens
+        num_scheduled = out.num_scheduled_tokens
+        if out.continuation:
+            assert not spec and not out.scheduled_new_reqs and set(num_scheduled.values()) <= {1}
+            # its own drafts, from its previous answer, for the tokens it holds now
+            spec = {rid: drafts[:out.num_own_drafts] for rid, (count, drafts) in self.proposed.items()
+                    if rid in num_scheduled and count == len(self.held[rid].token_ids) and out.num_own_drafts}
+            num_scheduled = {rid: n + len(spec.get(rid, ())) for rid, n in num_scheduled.items()}
         assert set(spec) <= set(out.num_scheduled_tokens), "drafts for a request not scheduled"
         # Write every scheduled token's KV first (per layer, as a real batch does), then sample.
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid, n in num_scheduled.items():
             held = self.held[rid]
             known = held.token_ids + spec.get(rid, [])  # drafts are this step's inputs after its tokens
             assert n >= 1 and held.num_computed_tokens + n <= len(known)
@@ -180,7 +193,7 @@ class FakeWorker:
             # The prefix-cache hit holds our tokens once the batch's KV is written: a hit may name
             # blocks another request of this very step fills (blocks are cached at allocation).
             self._check_context(self.held[new.request_id], new.num_computed_tokens)
-        for rid in out.num_scheduled_tokens:
+        for rid in num_scheduled:
             held = self.held[rid]
             drafts = spec.get(rid, [])
             if held.num_computed_tokens == len(held.token_ids) + len(drafts):
@@ -198,7 +211,9 @@ class FakeWorker:
                 held.token_ids.extend(tokens)
                 sampled[rid] = tokens
         proposed = {rid: self._propose(self.held[rid]) for rid in sampled} if self.num_drafts else {}
-        return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids={r: d for r, d in proposed.items() if d})
+        proposed = {r: d for r, d in proposed.items() if d}
+        self.proposed = {r: (len(self.held[r].token_ids), d) for r, d in proposed.items()}
+        return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=proposed)
 
     def _propose(self, held: _HeldRequest) -> list[int]:
         tokens = held.token_ids

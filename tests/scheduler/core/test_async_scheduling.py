@@ -154,14 +154,14 @@ def expected_tokens(rid: str, max_tokens: int, ignore_eos: bool, min_tokens: int
 
 
 def simulate(num_requests: int, seed: int, *, pipelined: bool, abort_rate: float = 0.0, burst: bool = False,
-             tenants: int = 0, **config):
+             tenants: int = 0, num_drafts: int = 0, **config):
     """Random arrivals and aborts between steps; with ``pipelined`` the step after each one in
     flight is planned before its results (as the engine loop does), and the worker runs what it was
     sent in order. Returns (delivered tokens by id, finish reasons by id, steps, steps planned ahead,
     the scheduler)."""
     rng = random.Random(seed)
     s = make_scheduler(seed_rng=random.Random(seed), **config)
-    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn, check_every=1)
+    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn, check_every=1, num_drafts=num_drafts)
     arrivals: dict[int, list] = {}
     for k in range(num_requests):
         prompt = rng.choice(SHARED_PREFIXES) + [rng.randrange(10, 60) for _ in range(rng.randint(1, 40))]
@@ -243,6 +243,26 @@ def test_a_burst_decodes_almost_every_step_ahead():
     got, finish, steps, ahead, _ = simulate(64, 3, pipelined=True, burst=True, **config)
     assert got == sync and finish == sync_finish
     assert ahead >= steps * 0.6, (ahead, steps)
+
+
+@pytest.mark.parametrize("config", [
+    dict(num_blocks=81, block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=24),
+    dict(num_blocks=41, block_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=24,
+         policy="priority", long_prefill_token_threshold=16),
+    dict(num_blocks=600, block_size=16, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=64, burst=True),
+])
+def test_pipelined_steps_with_drafts_deliver_what_lockstep_steps_deliver(config):
+    """Draft tokens (the fake worker proposes by prompt lookup, as the real one) in steps planned
+    ahead: a continuation lets the worker verify its own drafts after its last token as it holds
+    it, and the tokens are still the model's, as in lockstep; the KV it reads is what it should be."""
+    sync, sync_finish, sync_steps, _, _ = simulate(300, 9, pipelined=False, num_drafts=3, **config)
+    got, got_finish, steps, ahead, s = simulate(300, 9, pipelined=True, num_drafts=3, **config)
+    assert got == sync and got_finish == sync_finish
+    for rid, tokens in got.items():
+        assert tokens == [token_fn(rid, i) for i in range(len(tokens))]
+    assert ahead > (steps * 0.5 if config.get("burst") else 0), (ahead, steps)
+    assert s.own_draft_limit == 3
+    print(f"{steps} steps ({sync_steps} in lockstep), {ahead} planned ahead")
 
 
 def test_pipelined_steps_with_aborts_between_them():

@@ -147,17 +147,44 @@ def test_drafts_that_do_not_fit_the_budget_are_dropped_not_the_requests():
 
 
 @pytest.mark.parametrize("num_drafts", [0, 3])
-def test_no_continuation_of_a_step_with_drafts(num_drafts):
-    s = make_scheduler()
-    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=10, ignore_eos=True)
+def test_a_step_with_drafts_has_a_continuation_with_the_workers_own(num_drafts):
+    s = make_scheduler(block_size=4)
+    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=20, ignore_eos=True)
     rid = request.request_id
     s.add_request(request)
     proposal = {rid: [5, 6, 7][:num_drafts]} if num_drafts else {}
     s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids=proposal))
     plan = s.schedule()
     assert bool(plan.scheduled_spec_decode_tokens) == bool(num_drafts)
-    # how many drafts the worker keeps decides the next plan: it waits for the results
-    assert (s.schedule_continuation(plan) is None) == bool(num_drafts)
+    # how many drafts the worker keeps is its to know: the continuation decodes from its last
+    # token as the worker has it, with up to the longest proposal seen of the worker's own drafts
+    following = s.schedule_continuation(plan)
+    assert following.continuation and following.num_own_drafts == num_drafts
+    assert following.num_scheduled_tokens == {rid: 1} and not following.scheduled_spec_decode_tokens
+    # 9 tokens known; ``plan`` may add 1 + drafts, the continuation computes the last of those and
+    # its own drafts: blocks for every slot up to there
+    assert len(s.kv_cache_manager.get_block_ids(rid)) * 4 >= 9 + (1 + num_drafts) + num_drafts
+    # two drafts accepted in ``plan``, then the continuation's own (the worker's next proposal) all
+    accepted = [5, 6, 7, 5][:1 + min(2, num_drafts)]
+    s.update_from_output(plan, ModelRunnerOutput(sampled_token_ids={rid: accepted}, spec_token_ids=proposal))
+    assert request.num_computed_tokens == len(request.all_token_ids) - 1
+    own = [6, 7, 5, 6][:1 + num_drafts]
+    [o] = s.update_from_output(following, ModelRunnerOutput(sampled_token_ids={rid: own}))
+    assert o.new_token_ids == own and request.num_computed_tokens == len(request.all_token_ids) - 1
+
+
+def test_a_continuation_takes_no_more_than_the_drafts_it_allowed():
+    s = make_scheduler(block_size=4)
+    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=20, ignore_eos=True)
+    rid = request.request_id
+    s.add_request(request)
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids={rid: [5, 6]}))
+    plan = s.schedule()
+    following = s.schedule_continuation(plan)
+    assert following.num_own_drafts == 2
+    s.update_from_output(plan, ModelRunnerOutput(sampled_token_ids={rid: [5]}))
+    [o] = s.update_from_output(following, ModelRunnerOutput(sampled_token_ids={rid: [1, 2, 3, 4, 5]}))
+    assert o.new_token_ids == [1, 2, 3]  # its last token's sample and two drafts' at most
 
 
 def test_max_drafts_is_the_one_rule():
