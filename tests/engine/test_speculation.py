@@ -74,3 +74,50 @@ def test_drafts_with_chunked_prefill_and_preemption_keep_the_tokens(tiny_llama):
     got, steps = run(drafted, prompts, params)
     assert sum(k for _, k in steps) > 0 and drafted.scheduler.stats().num_preemptions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def pipelined(llm: LLM, prompts, params) -> tuple[list[list[int]], int, int]:
+    """The scheduler service's loop in miniature, on ``llm``'s scheduler and runner: each step's
+    continuation planned while the step is in flight (the runner runs steps in the order sent,
+    each one as it is sent), then the step's results applied. Returns (each prompt's tokens, steps
+    planned ahead, tokens the continuations' own drafts added)."""
+    from scheduler_service.core import Request
+
+    s, runner = llm.scheduler, llm.runner
+    ids = [f"p{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params):
+        s.add_request(Request(rid, list(prompt), p))
+    tokens = {rid: [] for rid in ids}
+    ahead = own = 0
+    current = None
+    while True:
+        if current is None:
+            plan = s.schedule()
+            if plan.is_empty:
+                if not s.has_unfinished_requests():
+                    break
+                continue
+            current = (plan, runner.execute_model(plan))
+        following = s.schedule_continuation(current[0])
+        sent = None
+        if following is not None:
+            sent = (following, runner.execute_model(following))
+            ahead += 1
+            own += sum(len(t) - 1 for t in sent[1].sampled_token_ids.values())
+        for o in s.update_from_output(*current):
+            tokens[o.request_id].extend(o.new_token_ids)
+        current = sent
+    return [tokens[rid] for rid in ids], ahead, own
+
+
+def test_steps_planned_ahead_verify_the_workers_own_drafts_and_keep_the_tokens(tiny_llama):
+    # a continuation carries no drafts from the scheduler: the runner verifies those it proposed with
+    # the step before, after the last token it holds; the tokens are one-token steps' (fp32)
+    prompts = [*LOOPING, *random_prompts([30, 17, 50, 9], seed=4)]
+    params = [PARAMS[i % 4] for i in range(len(prompts))]
+    settings = dict(skip_tokenizer_init=True, attention_backend="torch", dtype="float32")
+    expected = LLM(tiny_llama.path, num_speculative_tokens=0, **settings).generate(prompts, params)
+    drafted = LLM(tiny_llama.path, num_speculative_tokens=4, **settings)
+    got, ahead, own = pipelined(drafted, prompts, params)
+    assert got == [o.token_ids for o in expected]
+    assert ahead > 10 and own > 0 and drafted.scheduler.own_draft_limit == 4
