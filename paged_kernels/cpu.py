@@ -332,6 +332,7 @@ class _StepPlan:
     rows: torch.Tensor | None = None  # their tokens' rows of the query; None: every token is a row
     chunks: list[int] = field(default_factory=list)  # sequences computed as prefill chunks ...
     on_tiles: list[int] = field(default_factory=list)  # ... and of those, the ones long enough for the tiles
+    off_tiles: list[int] = field(default_factory=list)  # ... and the others
     amx: dict = field(default_factory=dict)  # _amx_prefill_batch's packed arguments, made once
 
 
@@ -360,6 +361,7 @@ def _step_plan(query: torch.Tensor, block_tables: torch.Tensor, query_start_loc:
             plan.rows = torch.tensor([qsl[s] + j for s in row_seqs for j in range(q_lens[s])], device=query.device)
     plan.chunks = [s for s in range(num_seqs) if not as_rows[s]]
     plan.on_tiles = [s for s in plan.chunks if q_lens[s] >= _AMX_MIN_ROWS]
+    plan.off_tiles = [s for s in plan.chunks if q_lens[s] < _AMX_MIN_ROWS]
     return plan
 
 
@@ -404,7 +406,7 @@ def _paged_attention(
     chunks = plan.chunks
     if _amx_prefill_batch(query, key_cache, value_cache, block_tables, plan.on_tiles, qsl, q_lens, lens, scale, out,
                           packed=plan.amx):
-        chunks = [s for s in chunks if q_lens[s] < _AMX_MIN_ROWS]
+        chunks = plan.off_tiles
     for s in chunks:
         _native_prefill(query[qsl[s] : qsl[s + 1]], key_cache, value_cache, block_tables[s], lens[s], scale,
                         out[qsl[s] : qsl[s + 1]])

@@ -14,6 +14,7 @@ from servicekit import redis_client
 from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.scheduling import BatchLimits
 from servicekit.contract.settings import check_settings, setting
+from servicekit.contract.step import MAX_DRAFT_TOKENS
 from servicekit.model_registry import ModelConfig
 from servicekit.ports import WORKER_PORT
 from servicekit.redis_client import RedisConfig
@@ -87,7 +88,7 @@ class ModelRunnerConfig(ModelConfig, BatchLimits):
                                            "(process-wide)")
     # n-gram speculation (worker_service/ngram.py): the worker proposes, the scheduler schedules
     num_speculative_tokens: int = setting(
-        3, minimum=0, maximum=16,
+        3, minimum=0, maximum=MAX_DRAFT_TOKENS,
         help="draft tokens proposed per decoding request and step by prompt lookup (n-gram speculation: the "
              "tokens that followed the latest earlier occurrence of its last tokens), verified in its next "
              "step; outputs are what one-token steps give (fp32: bit for bit; bf16: within its usual batch "

@@ -20,6 +20,7 @@ from servicekit.contract.errors import InvalidArgumentError
 from servicekit.contract.prompt import length_error
 from servicekit.contract.scheduling import MIN_PREFILL_CHUNK_TOKENS, SchedulingConfig
 from servicekit.contract.step import (
+    MAX_DRAFT_TOKENS,
     NO_BLOCK_IDS,
     CachedRequestData,
     EngineCoreOutput,
@@ -37,7 +38,6 @@ _RUNNING = RequestStatus.RUNNING
 # Waiting requests (from the head) looked at for a prefix a capped prefill chunk shares with them:
 # those admitted in the next steps, at a bounded cost per step.
 SHARED_PREFIX_LOOKAHEAD = 64
-MAX_OWN_DRAFTS = 16  # the most draft tokens a continuation lets a worker verify per request
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +338,7 @@ class Scheduler:
         own = self.own_draft_limit if len(running) * (1 + self.own_draft_limit) <= self.config.max_num_batched_tokens \
             else 0
         kv = self.kv_cache_manager
-        growing: list[tuple[Request, int]] = []
+        growing: list[tuple[Request, int, int]] = []  # (request, slots it needs, tokens known)
         num_new_blocks = 0
         for request in running:
             rid = request.request_id
@@ -360,20 +360,19 @@ class Scheduler:
             # the most tokens it can ever hold
             need = min(num_tokens + gained + own, request.num_prompt_tokens + request.max_tokens) \
                 - request.num_computed_tokens
-            growing.append((request, need))
+            growing.append((request, need, num_tokens))
             num_new_blocks += kv.get_num_new_blocks(request, need)
         if not growing or num_new_blocks > kv.get_num_free_blocks():
             return None  # memory short: schedule() preempts, with the results in (nothing allocated here)
         cached_reqs = CachedRequestData()
         num_scheduled: dict[str, int] = {}
-        for request, need in growing:
+        for request, need, num_tokens in growing:
             rid = request.request_id
             new_blocks = kv.allocate_slots(request, need)
             assert new_blocks is not None  # counted above
             num_scheduled[rid] = 1
             # the tokens known here: no more than the worker will have computed (it uses its own count)
-            cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS,
-                               len(request.all_token_ids))
+            cached_reqs.append(rid, [b.block_id for b in new_blocks] if new_blocks else NO_BLOCK_IDS, num_tokens)
         output = SchedulerOutput(scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_scheduled,
                                  total_num_scheduled_tokens=len(num_scheduled),
                                  finished_req_ids=self.finished_req_ids, continuation=True, num_own_drafts=own)
@@ -472,7 +471,7 @@ class Scheduler:
             if request is None or request.status is not _RUNNING or rid not in sampled or rid not in planned:
                 continue
             if len(drafts) > self.own_draft_limit:
-                self.own_draft_limit = min(len(drafts), MAX_OWN_DRAFTS)
+                self.own_draft_limit = min(len(drafts), MAX_DRAFT_TOKENS)
             drafts = drafts[:request.sampling_params.max_drafts(request.num_output_tokens)]
             if drafts:
                 request.spec_token_ids = drafts

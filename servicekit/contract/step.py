@@ -74,6 +74,8 @@ class NewRequestData:
     num_computed_tokens: int  # tokens whose KV is already in those blocks (prefix-cache hit)
 
 
+MAX_DRAFT_TOKENS = 16  # the most draft tokens a request verifies in one step (a worker's proposal at most)
+
 NO_BLOCK_IDS: list[int] = []  # a held request's new block ids when it got none: one shared list, never changed
 
 
