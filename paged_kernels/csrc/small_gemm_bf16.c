@@ -9,11 +9,13 @@
  * are one 1 KB tile, read straight from the packed weight. x needs no packing: a tile of 16 rows x
  * 32 inputs is loaded with x's row stride.
  *
- * Up to 64 rows a work item is 16 output columns for all rows (four C tiles of 16 rows), each
- * weight tile read once. Beyond, a work item is 32 rows x 32 columns (four C tiles fed by two A and
- * two B tiles, each load feeding two products), column pair by column pair so that a pair's weight
- * comes from memory once and from the core's cache for its further rows. A bias (bf16) is added to
- * the fp32 sums before the rounding, as oneDNN adds it.
+ * With out_features a multiple of 32, a work item is 32 rows x 32 columns (four C tiles fed by two
+ * A and two B tiles, each load feeding two products), column pair by column pair so that a pair's
+ * weight comes from memory once and from the core's cache for its further rows: at any row count,
+ * 1 to 64 included, this beats an item of 16 columns for all rows (four C tiles, each weight tile
+ * read once but each A tile loaded for one product: at 64 rows the loads of x from L2 outweigh the
+ * weight's traffic). Otherwise (up to 64 rows) the 16-column items. A bias (bf16) is added to the
+ * fp32 sums before the rounding, as oneDNN adds it.
  *
  * Each output is the same chain of tile products over its inputs, in the same order, whatever the
  * rows beside it and the path: a row's result depends on that row alone (batch-invariant). It
@@ -127,7 +129,7 @@ static inline __attribute__((always_inline)) void chunk(const bf16_t *x, int64_t
         store(T_C_LAST, acc, bias, y + (int64_t)16 * full * ldy, ldy, last_rows);
 }
 
-/* Larger batches (more than CHUNK_BLOCKS * 16 rows): a work item is 32 rows x 32 columns, four C
+/* out_features a multiple of 32, any row count: a work item is 32 rows x 32 columns, four C
  * tiles fed by two A and two B tiles per 32 inputs (each tile load feeds two products). Items go
  * column pair by column pair, so a pair's weight is read from memory once and from the core's
  * cache for its further row pairs. The last row pair may hold fewer rows: its own tile shapes. */
@@ -211,16 +213,16 @@ static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const
 
 /* y [rows, n] (row stride ldy) = bf16(x [rows, k] (row stride ldx) . W^T + bias), W packed by
  * small_gemm_pack_bf16, bias [n] bf16 or NULL (added to the fp32 sums). Returns 0, or -1 where it
- * cannot run (no AMX, or n not a multiple of 16, k of 32). Beyond 64 rows with n a multiple of 32,
- * gemm_pairs; else each work item is 16 columns of y, its weight (k / 32 tiles) read from memory
- * once and from the core's cache for each further chunk of 64 rows. */
+ * cannot run (no AMX, or n not a multiple of 16, k of 32). With n a multiple of 32, gemm_pairs; else
+ * each work item is 16 columns of y, its weight (k / 32 tiles) read from memory once and from the
+ * core's cache for each further chunk of 64 rows. */
 int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t ldy,
                     int64_t rows, int64_t n, int64_t k, int num_threads)
 {
 #ifdef HAVE_AMX_TILES
     if (rows < 1 || n % GROUP || k % 32 || !amx_permitted())
         return -1;
-    if (rows > CHUNK_BLOCKS * 16 && n % 32 == 0) {
+    if (n % 32 == 0) {
         gemm_pairs(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads);
         return 0;
     }

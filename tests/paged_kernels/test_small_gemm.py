@@ -35,9 +35,9 @@ def _assert_rounded_fp32_sums(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
 @pytest.mark.parametrize("shape", [(16, 32), (48, 64), (960, 576), (576, 1536)],
                          ids=["one-tile", "odd-groups", "qkv", "down"])
 def test_products_are_fp32_sums_rounded_once(rows, shape):
-    """Row blocks of 16 (whole and partial); up to 64 rows as 16-column items, beyond as 32 x 32
-    items (a last row pair of 1-32 rows), or as chunks of 64 rows where the columns are an odd
-    number of 16s; one tile up to a real layer's shapes."""
+    """Row blocks of 16 (whole and partial); as 32 x 32 items at any row count (a last row pair of
+    1-32 rows), or as 16-column items in chunks of 64 rows where the columns are an odd number of
+    16s; one tile up to a real layer's shapes."""
     x, w = _operands(rows, *shape)
     _assert_rounded_fp32_sums(small_gemm.linear(x, small_gemm.pack(w), shape[0]), x, w)
 
@@ -66,14 +66,15 @@ def test_rows_of_a_strided_view():
 
 
 @needs_amx
-def test_each_row_is_the_same_alone_and_in_any_batch():
-    """Across row blocks, chunks and both kinds of work item: one row alone, 16-column items (up to
-    64 rows), 32 x 32 items (beyond) — the same chain of tile products for each output."""
-    x, w = _operands(200, 960, 576, seed=4)
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (48, 64)], ids=["32x32-items", "16-column-items"])
+def test_each_row_is_the_same_alone_and_in_any_batch(out_features, in_features):
+    """Across row blocks, row pairs and chunks of 64 rows, for both kinds of work item: one row
+    alone and in any batch — the same chain of tile products for each output."""
+    x, w = _operands(200, out_features, in_features, seed=4)
     packed = small_gemm.pack(w)
-    together = small_gemm.linear(x, packed, 960)
+    together = small_gemm.linear(x, packed, out_features)
     for lo, hi in [(0, 1), (16, 17), (63, 64), (64, 70), (5, 40), (30, 100), (0, 65), (199, 200), (100, 200)]:
-        assert torch.equal(small_gemm.linear(x[lo:hi], packed, 960), together[lo:hi]), (lo, hi)
+        assert torch.equal(small_gemm.linear(x[lo:hi], packed, out_features), together[lo:hi]), (lo, hi)
 
 
 @needs_amx
