@@ -125,6 +125,8 @@ def install(llm: Any) -> Iterator[StepProfile]:
                                     "per-layer Python)", runner.model.forward)),
         (torch.nn.Linear, "forward", w("linear layers (GEMM)", torch.nn.Linear.forward)),
         (PackedLinear, "forward", w("linear layers (GEMM)", PackedLinear.forward)),
+        # the MLP's gate/up GEMM with SiLU * up in its pass (on the tiles; None where it does not run)
+        (PackedLinear, "silu_mul", w("linear layers (GEMM)", PackedLinear.silu_mul)),
         (runner, "reshape_and_cache", w("KV-cache writes", runner.reshape_and_cache)),
         (runner, "paged_attention", w(f"attention ({backend}): batch split / glue", runner.paged_attention)),
         (runner.model, "compute_logits", w("logits (LM-head GEMM + fp32)", runner.model.compute_logits)),

@@ -82,3 +82,35 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
                         y.data_ptr(), y.stride(0), rows, out_features, in_features, torch.get_num_threads()) != 0:
         raise RuntimeError("the small-GEMM kernel cannot run here (see small_gemm.available)")
     return y
+
+
+def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """A fused gate/up weight ``[2I, in]`` (gate rows, then up rows; bf16, ``I`` a multiple of 16)
+    laid out for :func:`silu_mul_linear`: :func:`pack` of its 16-row groups interleaved (gate group
+    j, then up group j), so that one work item of 32 columns holds the gate and the up of the same
+    16 outputs."""
+    if not (packable(weight) and weight.shape[0] % (2 * GROUP) == 0):
+        raise ValueError(f"small_gemm.pack_gate_up: weight must be bf16 rows [2I, in] with I % {GROUP} == 0 and "
+                         f"in % {K_BLOCK} == 0 (got {weight.dtype} {tuple(weight.shape)})")
+    out2, in_features = weight.shape
+    groups = weight.reshape(2, out2 // (2 * GROUP), GROUP, in_features)  # [gate|up, group, 16, in]
+    return pack(groups.transpose(0, 1).reshape(out2, in_features))
+
+
+def silu_mul_linear(x: torch.Tensor, packed: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """``silu(gate) * up`` as bf16 ``[rows, intermediate]``, ``gate`` and ``up`` the two halves of ``x @
+    W.T`` for ``x`` bf16 rows ``[rows, in]`` and the fused weight ``W`` ``[2 * intermediate, in]``
+    packed by :func:`pack_gate_up`: the same bits as ``cpu_fused.silu_mul(linear(x, pack(W), 2 *
+    intermediate))``, in one pass that never writes the ``[rows, 2 * intermediate]`` product."""
+    rows, in_features = x.shape
+    if not (x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.numel() == 2 * intermediate * in_features
+            and rows >= 1):
+        raise ValueError(f"small_gemm.silu_mul_linear: x must be bf16 rows [rows >= 1, "
+                         f"{packed.numel() // max(2 * intermediate, 1)}] (got {x.dtype} {tuple(x.shape)})")
+    y = torch.empty((rows, intermediate), dtype=torch.bfloat16)
+    fn = native.function(_LIBRARY, "small_gemm_silu_mul_bf16", [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I32],
+                         ctypes.c_int)
+    if fn is None or fn(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), y.stride(0), rows, intermediate,
+                        in_features, torch.get_num_threads()) != 0:
+        raise RuntimeError("the small-GEMM kernel cannot run here (see small_gemm.available)")
+    return y

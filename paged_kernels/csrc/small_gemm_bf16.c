@@ -152,9 +152,27 @@ static void configure_pair(int rows0, int rows1)
     _tile_loadconfig(&cfg);
 }
 
+/* The SiLU * up epilogue of one row block: gate sums in acc (16 rows x 16 columns), up sums beside
+ * them (acc + 16 * GROUP); y[r, j] = bf16(bf16(silu(g)) * u) with g and u the sums rounded to bf16
+ * as the plain GEMM rounds them (+0 added, as for a missing bias): exactly silu_mul_bf16
+ * (cpu_fused_ops.c) of the plain GEMM's output. */
+static inline __attribute__((always_inline)) void store_silu_mul(const float *acc, bf16_t *y, int64_t ldy, int rows)
+{
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+    for (int r = 0; r < rows; r++) {
+        const __m512 g = widen_bf16(narrow16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + r * GROUP), zero)));
+        const __m512 u = widen_bf16(narrow16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + (16 + r) * GROUP), zero)));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g))));
+        _mm256_storeu_si256((__m256i *)(y + r * ldy), narrow16_bf16(_mm512_mul_ps(widen_bf16(narrow16_bf16(silu)), u)));
+    }
+}
+
+/* One 32 x 32 item: rows0 (+ rows1) rows, the two column groups w0 and w1. `silu`: the groups are
+ * the gate's and the up's same 16 columns, and y gets their SiLU * up (16 columns). */
 static inline __attribute__((always_inline)) void pair_item(const bf16_t *x, int64_t ldx, const bf16_t *w0,
                                                             const bf16_t *w1, int64_t k, const bf16_t *bias,
-                                                            bf16_t *y, int64_t ldy, int rows0, int rows1, float *acc)
+                                                            bf16_t *y, int64_t ldy, int rows0, int rows1, float *acc,
+                                                            const int silu)
 {
     _tile_zero(T_C00);
     _tile_zero(T_C01);
@@ -175,6 +193,17 @@ static inline __attribute__((always_inline)) void pair_item(const bf16_t *x, int
             _tile_dpbf16ps(T_C11, T_A1, T_B1);
         }
     }
+    if (silu) {
+        _tile_stored(T_C00, acc, GROUP * sizeof(float));
+        _tile_stored(T_C01, acc + 16 * GROUP, GROUP * sizeof(float));
+        store_silu_mul(acc, y, ldy, rows0);
+        if (rows1) {
+            _tile_stored(T_C10, acc, GROUP * sizeof(float));
+            _tile_stored(T_C11, acc + 16 * GROUP, GROUP * sizeof(float));
+            store_silu_mul(acc, y + 16 * ldy, ldy, rows1);
+        }
+        return;
+    }
     store(T_C00, acc, bias, y, ldy, rows0);
     store(T_C01, acc, bias ? bias + GROUP : NULL, y + GROUP, ldy, rows0);
     if (rows1) {
@@ -184,7 +213,7 @@ static inline __attribute__((always_inline)) void pair_item(const bf16_t *x, int
 }
 
 static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf16_t *bias, bf16_t *y,
-                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads)
+                       int64_t ldy, int64_t rows, int64_t n, int64_t k, int num_threads, const int silu)
 {
     const int64_t row_pairs = (rows + 31) / 32, col_pairs = n / 32, group_elems = k * GROUP;
     const int last0 = (int)(rows - 32 * (row_pairs - 1) >= 16 ? 16 : rows - 32 * (row_pairs - 1));
@@ -192,7 +221,7 @@ static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const
     const int ragged = last0 != 16 || last1 != 16;
     #pragma omp parallel num_threads(num_threads)
     {
-        float acc[16 * GROUP] __attribute__((aligned(64)));
+        float acc[2 * 16 * GROUP] __attribute__((aligned(64)));
         int shape = -1; /* 0: full pairs, 1: the last pair's shape */
         #pragma omp for schedule(static)
         for (int64_t item = 0; item < col_pairs * row_pairs; item++) {
@@ -204,7 +233,7 @@ static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const
             }
             const bf16_t *w0 = packed + 2 * c * group_elems;
             pair_item(x + r * 32 * ldx, ldx, w0, w0 + group_elems, k, bias ? bias + c * 32 : NULL,
-                      y + r * 32 * ldy + c * 32, ldy, last ? last0 : 16, last ? last1 : 16, acc);
+                      y + r * 32 * ldy + c * (silu ? 16 : 32), ldy, last ? last0 : 16, last ? last1 : 16, acc, silu);
         }
         _tile_release();
     }
@@ -223,7 +252,7 @@ int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf
     if (rows < 1 || n % GROUP || k % 32 || !amx_permitted())
         return -1;
     if (n % 32 == 0) {
-        gemm_pairs(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads);
+        gemm_pairs(x, ldx, packed, bias, y, ldy, rows, n, k, num_threads, 0);
         return 0;
     }
     const int64_t blocks = (rows + 15) / 16, group_elems = k * GROUP, groups = n / GROUP;
@@ -245,6 +274,27 @@ int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf
     return 0;
 #else
     (void)x; (void)ldx; (void)packed; (void)bias; (void)y; (void)ldy; (void)rows; (void)n; (void)k; (void)num_threads;
+    return -1;
+#endif
+}
+
+/* y [rows, inter] (row stride ldy) = bf16(bf16(silu(g)) * u), g and u the gate's and the up's
+ * outputs of x [rows, k] as small_gemm_bf16 computes and rounds them: a fused gate/up weight
+ * [2 * inter, k] (gate rows, then up rows) packed by small_gemm_pack_bf16 with its 16-row groups
+ * interleaved (gate group j, then up group j), so that a 32-column item holds one group of each.
+ * The same bits as silu_mul_bf16 (cpu_fused_ops.c) of small_gemm_bf16's output, without writing
+ * and reading that [rows, 2 * inter] output. Returns 0, or -1 where it cannot run (no AMX, or
+ * inter not a multiple of 16, k of 32). */
+int small_gemm_silu_mul_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, bf16_t *y, int64_t ldy,
+                             int64_t rows, int64_t inter, int64_t k, int num_threads)
+{
+#ifdef HAVE_AMX_TILES
+    if (rows < 1 || inter < 1 || inter % GROUP || k % 32 || !amx_permitted())
+        return -1;
+    gemm_pairs(x, ldx, packed, NULL, y, ldy, rows, 2 * inter, k, num_threads, 1);
+    return 0;
+#else
+    (void)x; (void)ldx; (void)packed; (void)y; (void)ldy; (void)rows; (void)inter; (void)k; (void)num_threads;
     return -1;
 #endif
 }

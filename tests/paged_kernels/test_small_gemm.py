@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_kernels import small_gemm
+from paged_kernels import cpu_fused, small_gemm
 
 pytestmark = pytest.mark.kernel
 
@@ -118,3 +118,34 @@ def test_inputs_that_do_not_match_the_weight_are_refused():
         small_gemm.linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, 32)
     with pytest.raises(ValueError, match="bias"):
         small_gemm.linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, torch.zeros(16, dtype=torch.bfloat16))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 100, 1000])
+@pytest.mark.parametrize("intermediate, in_features", [(16, 32), (48, 64), (1536, 576)],
+                         ids=["one-group", "odd-groups", "smollm2"])
+def test_silu_mul_gives_the_bits_of_silu_mul_after_the_gemm(rows, intermediate, in_features):
+    """The gate/up layout's one pass: SiLU(gate) * up exactly as cpu_fused.silu_mul computes it
+    from the plain GEMM's bf16 output (bit patterns compared, signed zeros included)."""
+    x, w = _operands(rows, 2 * intermediate, in_features, seed=5)
+    x = x * 4  # gate values well into SiLU's curved part, both signs
+    plain = cpu_fused.silu_mul(small_gemm.linear(x, small_gemm.pack(w), 2 * intermediate))
+    fused = small_gemm.silu_mul_linear(x, small_gemm.pack_gate_up(w), intermediate)
+    assert fused.shape == (rows, intermediate) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused.view(torch.int16), plain.view(torch.int16))
+
+
+@needs_amx
+def test_silu_mul_of_each_row_is_the_same_alone_and_in_any_batch():
+    x, w = _operands(150, 96, 64, seed=6)
+    packed = small_gemm.pack_gate_up(w)
+    together = small_gemm.silu_mul_linear(x, packed, 48)
+    for lo, hi in [(0, 1), (16, 17), (5, 40), (30, 100), (149, 150)]:
+        assert torch.equal(small_gemm.silu_mul_linear(x[lo:hi], packed, 48), together[lo:hi]), (lo, hi)
+
+
+def test_a_gate_up_weight_needs_whole_groups_in_each_half():
+    with pytest.raises(ValueError, match="pack_gate_up"):
+        small_gemm.pack_gate_up(torch.zeros(48, 64, dtype=torch.bfloat16))  # halves of 24 rows
+    with pytest.raises(ValueError, match="silu_mul_linear"):
+        small_gemm.silu_mul_linear(torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(32 * 64, dtype=torch.bfloat16), 16)

@@ -1,6 +1,7 @@
 """bf16 linear weights laid out once for oneDNN (``worker_service.models.cpu_gemm``): the same tokens
 as ``F.linear``, bit for bit, and nothing packed where it would change results (fp32) or cannot run;
-with the small-batch AMX GEMM (``small_gemm``) beside it, steps of at most 64 rows on its tiles."""
+with the small-batch AMX GEMM (``small_gemm``) beside it, steps of up to its row limit on its tiles
+(the MLP's gate/up projection with SiLU * up in the same pass)."""
 
 from __future__ import annotations
 
@@ -124,6 +125,32 @@ def test_steps_up_to_the_limit_run_on_the_tile_kernel_and_larger_ones_on_onednn(
             tiles = small_gemm.linear(x, qkv.small_weight, qkv.out_features, qkv.bias)  # Qwen2's qkv has a bias
             assert torch.equal(qkv(x), tiles if rows <= limit else onednn)
             torch.testing.assert_close(tiles.float(), onednn.float(), rtol=2**-8, atol=1e-6)
+
+
+@needs_amx
+def test_the_gate_up_projection_computes_silu_mul_on_the_tiles(hf):
+    """The MLP's gate/up weight gets the gate/up tile layout: SiLU * up in the GEMM's pass, the
+    same bits as the plain tile GEMM followed by cpu_fused.silu_mul, up to the kernel's rows; its
+    plain forward (and larger steps) run on oneDNN."""
+    from paged_kernels import cpu_fused
+
+    runner = make_runner(hf, dtype="bfloat16", attention_backend="cpu", prepack_weights=True)
+    gate_up = runner.model.layers[0].mlp.gate_up
+    assert gate_up.fused_silu_mul and not runner.model.layers[0].attn.qkv.fused_silu_mul
+    with torch.inference_mode():
+        eye = torch.eye(gate_up.in_features).to(torch.bfloat16)  # the plain weight back from oneDNN's copy
+        weight = torch.ops.mkldnn._linear_pointwise(eye, gate_up.packed_weight, None, "none", [], "").T.contiguous()
+        plain = small_gemm.pack(weight)
+        for rows in (1, 8, 64, 65, gate_up.small_rows, gate_up.small_rows + 1):
+            x = torch.randn(rows, gate_up.in_features).to(torch.bfloat16)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, gate_up.packed_weight, None, "none", [], "")
+            assert torch.equal(gate_up(x), onednn)
+            fused = gate_up.silu_mul(x)
+            if rows > gate_up.small_rows:
+                assert fused is None
+                continue
+            expected = cpu_fused.silu_mul(small_gemm.linear(x, plain, gate_up.out_features))
+            assert torch.equal(fused.view(torch.int16), expected.view(torch.int16))
 
 
 @needs_amx

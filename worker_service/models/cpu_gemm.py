@@ -40,9 +40,12 @@ _OPS = ("_reorder_linear_weight", "_linear_pointwise")
 class PackedLinear(nn.Module):
     """``nn.Linear``'s forward over a weight in oneDNN's blocked layout (inference only); with
     ``small``, also in ``paged_kernels.small_gemm``'s, which takes the calls of up to ``small_rows``
-    rows."""
+    rows. With ``silu_mul`` too (a fused gate/up projection: gate rows, then up rows, no bias), the
+    tile layout is the gate/up one and :meth:`silu_mul` computes SiLU(gate) * up on the tiles in the
+    same pass; :meth:`forward` then runs on oneDNN at every row count."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, small: bool = False,
+                 silu_mul: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -50,21 +53,32 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         # the layout of paged_kernels.small_gemm (steps of up to small_rows rows), or None: oneDNN alone
         tiles = small and small_gemm.packable(weight) and (bias is None or bias.dtype == torch.bfloat16)
-        self.register_buffer("small_weight", small_gemm.pack(weight.detach()) if tiles else None, persistent=False)
+        self.fused_silu_mul = tiles and silu_mul and bias is None and self.out_features % (2 * small_gemm.GROUP) == 0
+        layout = small_gemm.pack_gate_up if self.fused_silu_mul else small_gemm.pack
+        self.register_buffer("small_weight", layout(weight.detach()) if tiles else None, persistent=False)
         self.small_rows = small_gemm.max_rows(self.out_features) if tiles else 0
+        self._forward_rows = 0 if self.fused_silu_mul else self.small_rows  # the rows forward() runs on the tiles
 
     @classmethod
-    def of(cls, linear: nn.Linear, small: bool = False) -> PackedLinear:
-        return cls(linear.weight, linear.bias, small)
+    def of(cls, linear: nn.Linear, small: bool = False, silu_mul: bool = False) -> PackedLinear:
+        return cls(linear.weight, linear.bias, small, silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if 0 < x.shape[0] <= self.small_rows:
+        if 0 < x.shape[0] <= self._forward_rows:
             return small_gemm.linear(x, self.small_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` ``[T, out / 2]`` of this gate/up projection of ``x`` ``[T, in]``, in one
+        pass on the tiles (the same bits as ``cpu_fused.silu_mul(self(x))`` would give with the
+        tiles' plain layout); None where this layer cannot (no gate/up layout, or too many rows)."""
+        if self.fused_silu_mul and 0 < x.shape[0] <= self.small_rows:
+            return small_gemm.silu_mul_linear(x, self.small_weight, self.out_features // 2)
+        return None
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"small_gemm={self.small_weight is not None}")
+                f"small_gemm={self.small_weight is not None}, fused_silu_mul={self.fused_silu_mul}")
 
 
 # oneDNN (through ideep) keeps a compiled primitive per GEMM shape it meets, up to 1,024 of them
@@ -128,8 +142,9 @@ def prepack(model: nn.Module, small: bool = False) -> int:
 
 def prepack_linears(layers: nn.Module, small: bool = False) -> int:
     """Replace every ``nn.Linear`` under ``layers`` (the decoder layers) with a :class:`PackedLinear`
-    (``small``: with the small-batch kernel's layout too, where it runs); returns how many were
-    packed (0: kept as they were)."""
+    (``small``: with the small-batch kernel's layout too, where it runs; the linear a module names
+    in its ``SILU_MUL_OF`` attribute, the input of its SiLU * up, with the gate/up layout); returns
+    how many were packed (0: kept as they were)."""
     targets = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if not targets:
@@ -146,11 +161,14 @@ def prepack_linears(layers: nn.Module, small: bool = False) -> int:
         log.warning("cannot pack linear weights for oneDNN (%s): weights left unpacked", exc)
         return 0
     small = small and small_gemm.available() and _copy_fits(sum(t[2].weight.nbytes for t in targets))
+    def silu_mul_of(parent: nn.Module, name: str) -> bool:
+        return name == getattr(parent, "SILU_MUL_OF", None)
+
     if small:
-        packed_first = PackedLinear.of(first, small)
+        packed_first = PackedLinear.of(first, small, silu_mul_of(first_parent, first_name))
     setattr(first_parent, first_name, packed_first)  # the checked one
     for parent, name, linear in targets[1:]:
-        setattr(parent, name, PackedLinear.of(linear, small))
+        setattr(parent, name, PackedLinear.of(linear, small, silu_mul_of(parent, name)))
     return len(targets)
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_kernels import cpu_fused
+from worker_service.models.cpu_gemm import PackedLinear
 from worker_service.models.layers import (
     ForwardContext,
     RMSNorm,
@@ -90,6 +91,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    SILU_MUL_OF = "gate_up"  # the linear whose output (gate, then up) SiLU * up takes (cpu_gemm.prepack)
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -97,6 +100,10 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, D]
+        if isinstance(self.gate_up, PackedLinear):  # bf16 on the CPU: SiLU * up in the GEMM's pass where it can
+            fused = self.gate_up.silu_mul(x)
+            if fused is not None:
+                return self.down(fused)
         gate_up = self.gate_up(x)  # [T, 2I]
         if cpu_fused.applies(gate_up):  # bf16 on the CPU: one pass, rounded as the torch code rounds
             return self.down(cpu_fused.silu_mul(gate_up))
