@@ -161,15 +161,17 @@ def prepack_linears(layers: nn.Module, small: bool = False) -> int:
         log.warning("cannot pack linear weights for oneDNN (%s): weights left unpacked", exc)
         return 0
     small = small and small_gemm.available() and _copy_fits(sum(t[2].weight.nbytes for t in targets))
-    def silu_mul_of(parent: nn.Module, name: str) -> bool:
-        return name == getattr(parent, "SILU_MUL_OF", None)
-
     if small:
-        packed_first = PackedLinear.of(first, small, silu_mul_of(first_parent, first_name))
+        packed_first = PackedLinear.of(first, small, _takes_silu_mul(first_parent, first_name))
     setattr(first_parent, first_name, packed_first)  # the checked one
     for parent, name, linear in targets[1:]:
-        setattr(parent, name, PackedLinear.of(linear, small, silu_mul_of(parent, name)))
+        setattr(parent, name, PackedLinear.of(linear, small, _takes_silu_mul(parent, name)))
     return len(targets)
+
+
+def _takes_silu_mul(parent: nn.Module, name: str) -> bool:
+    """Whether ``parent``'s linear ``name`` is the one its SiLU * up takes (its ``SILU_MUL_OF``)."""
+    return name == getattr(parent, "SILU_MUL_OF", None)
 
 
 # The tile kernel's copy of the layers' weights is made only while it takes at most this share of the
