@@ -76,7 +76,9 @@ def _built(files: dict[str, bytes], source: str, symbol: str) -> ctypes._CFuncPt
 def _old_kernel(rev: str, like: ctypes._CFuncPtr) -> ctypes._CFuncPtr:
     """The bf16 entry point of the decode kernel's source at ``rev``, built with today's flags."""
     files = {}
-    for name in ("paged_decode_attention.c", "bf16.h"):
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", f"{rev}:paged_kernels/csrc"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    for name in ["paged_decode_attention.c", *(n for n in listed if n.endswith(".h"))]:  # the headers it includes
         shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:paged_kernels/csrc/{name}"], capture_output=True, check=False)
         if shown.returncode == 0:
             files[name] = shown.stdout
