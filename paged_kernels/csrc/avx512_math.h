@@ -66,6 +66,14 @@ static inline __attribute__((always_inline)) __m256i narrow16_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(rounded);
 #endif
 }
+
+/* SiLU(g) * up for 16 lanes of a gate and an up value (fp32 values of bf16s), as torch rounds
+ * `F.silu(gate) * up` on bf16 tensors: bf16(bf16(g / (1 + e^-g)) * u). The one definition both
+ * cpu_fused_ops.c's silu_mul_bf16 and the tile GEMM's gate/up epilogue use: their bits agree. */
+static inline __attribute__((always_inline)) __m256i silu_mul16_bf16(__m512 g, __m512 u) {
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return narrow16_bf16(_mm512_mul_ps(widen_bf16(narrow16_bf16(silu)), u));
+}
 #endif
 
 #endif

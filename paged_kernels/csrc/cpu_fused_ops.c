@@ -112,13 +112,8 @@ void silu_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t o_str
         bf16_t *o = out + t * o_stride;
         int64_t i = 0;
 #ifdef HAVE_AVX512
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= inter; i += 16) {
-            const __m512 gv = widen16_bf16(g + i);
-            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            const __m512 silu_bf16 = widen_bf16(narrow16_bf16(silu));  /* rounded as torch rounds F.silu's output */
-            _mm256_storeu_si256((__m256i *)(o + i), narrow16_bf16(_mm512_mul_ps(silu_bf16, widen16_bf16(u + i))));
-        }
+        for (; i + 16 <= inter; i += 16)
+            _mm256_storeu_si256((__m256i *)(o + i), silu_mul16_bf16(widen16_bf16(g + i), widen16_bf16(u + i)));
 #endif
         for (; i < inter; i++) {
             const float a = bf16_to_f32(g[i]);

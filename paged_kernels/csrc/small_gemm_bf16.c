@@ -154,16 +154,15 @@ static void configure_pair(int rows0, int rows1)
 
 /* The SiLU * up epilogue of one row block: gate sums in acc (16 rows x 16 columns), up sums beside
  * them (acc + 16 * GROUP); y[r, j] = bf16(bf16(silu(g)) * u) with g and u the sums rounded to bf16
- * as the plain GEMM rounds them (+0 added, as for a missing bias): exactly silu_mul_bf16
- * (cpu_fused_ops.c) of the plain GEMM's output. */
+ * as the plain GEMM rounds them (+0 added, as for a missing bias), then silu_mul16_bf16
+ * (avx512_math.h): exactly silu_mul_bf16 (cpu_fused_ops.c) of the plain GEMM's output. */
 static inline __attribute__((always_inline)) void store_silu_mul(const float *acc, bf16_t *y, int64_t ldy, int rows)
 {
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
+    const __m512 zero = _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 g = widen_bf16(narrow16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + r * GROUP), zero)));
         const __m512 u = widen_bf16(narrow16_bf16(_mm512_add_ps(_mm512_loadu_ps(acc + (16 + r) * GROUP), zero)));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g))));
-        _mm256_storeu_si256((__m256i *)(y + r * ldy), narrow16_bf16(_mm512_mul_ps(widen_bf16(narrow16_bf16(silu)), u)));
+        _mm256_storeu_si256((__m256i *)(y + r * ldy), silu_mul16_bf16(g, u));
     }
 }
 
