@@ -142,7 +142,8 @@ class KVCacheManager:
                 new_blocks = self.allocate_slots(request, num_required_tokens - request.num_computed_tokens)
                 if new_blocks is None:
                     break
-                add([b.block_id for b in new_blocks])
+                # (the usual case, one new block, without a comprehension's frame)
+                add([new_blocks[0].block_id] if len(new_blocks) == 1 else [b.block_id for b in new_blocks])
                 continue
             if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
                 self.cache_blocks(request, num_required_tokens)

@@ -404,13 +404,16 @@ class Scheduler:
         add_output = outputs.append
         finished: list[tuple[Request, RequestStatus]] = []
         fair = self.waiting if self.config.policy == "fair" else None
+        # per-request work only some steps have (one test per request for all of it when none)
+        extras = fair is not None or bool(prompt_logprobs)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
                 continue  # aborted (or replaced) since schedule()
             before = request.num_computed_tokens
             computed = before + n
-            num_tokens = len(request.all_token_ids)
+            all_ids = request.all_token_ids
+            num_tokens = len(all_ids)
             if computed >= num_tokens:
                 tokens = sampled.get(rid)
                 if not tokens:
@@ -427,13 +430,14 @@ class Scheduler:
             else:
                 tokens = None  # a partial prefill chunk samples nothing
             request.num_computed_tokens = computed  # full blocks were cached at allocation
-            if fair is not None and computed > before:  # the service this step gave its tenant
-                prompt_part = max(0, min(computed, request.num_prompt_tokens) - before)
-                fair.charge(request.tenant, prompt_part, computed - before - prompt_part)
-            if prompt_logprobs and rid in prompt_logprobs and request.prompt_logprobs is not None:
-                first, items = prompt_logprobs[rid]
-                if 1 <= first and first + len(items) <= len(request.prompt_logprobs):
-                    request.prompt_logprobs[first:first + len(items)] = items
+            if extras:
+                if fair is not None and computed > before:  # the service this step gave its tenant
+                    prompt_part = max(0, min(computed, request.num_prompt_tokens) - before)
+                    fair.charge(request.tenant, prompt_part, computed - before - prompt_part)
+                if prompt_logprobs and rid in prompt_logprobs and request.prompt_logprobs is not None:
+                    first, items = prompt_logprobs[rid]
+                    if 1 <= first and first + len(items) <= len(request.prompt_logprobs):
+                        request.prompt_logprobs[first:first + len(items)] = items
             if not tokens:
                 continue
 
@@ -441,7 +445,7 @@ class Scheduler:
             if len(tokens) == 1:  # one sampled token (the hot path): append_output_token in line
                 new_tokens = tokens
                 token = tokens[0]
-                request.all_token_ids.append(token)
+                all_ids.append(token)
                 status = (request.after_append(token) if num_tokens + 1 >= request.next_event_at
                           or token in request.stop_token_set else None)
             else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from scheduler_service.core.kv_cache_utils import ROOT_BLOCK_HASH, FreeBlockQueue, KVCacheBlock, hash_block_tokens
@@ -70,3 +72,16 @@ def test_block_hash_is_a_chain_over_parent_tokens_and_extra_keys():
     assert hash_block_tokens(ROOT_BLOCK_HASH, [1, 2, 3, 4], b"salt:a") != hash_block_tokens(
         ROOT_BLOCK_HASH, [1, 2, 3, 4], b"salt:b")
     assert hash_block_tokens(ROOT_BLOCK_HASH, [1, 2]) != hash_block_tokens(ROOT_BLOCK_HASH, [1, 2, 0])
+
+
+@pytest.mark.parametrize("tokens, extra", [([], b""), ([7], b""), (list(range(40_000, 40_016)), b""),
+                                           ([1, 2**40, 3], b"salt:tenant-a")])
+def test_block_hash_is_sha256_of_the_documented_bytes(tokens, extra):
+    # Hashes name blocks across processes and versions (routing, resumes): the bytes are fixed as
+    # the parent, a u32 count, the ids as little-endian int64, then a u32-counted extra key.
+    data = ROOT_BLOCK_HASH + len(tokens).to_bytes(4, "little")
+    data += b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
+    if extra:
+        data += len(extra).to_bytes(4, "little") + extra
+    assert hash_block_tokens(ROOT_BLOCK_HASH, tokens, extra) == hashlib.sha256(data).digest()
+    assert hash_block_tokens(ROOT_BLOCK_HASH, tuple(tokens), extra) == hashlib.sha256(data).digest()
