@@ -148,19 +148,28 @@ class Request:
 
         The scheduler's decode loop does the same in line: it appends to ``all_token_ids`` and
         calls :meth:`after_append` only when the new count reaches ``next_event_at`` or the token
-        is a stop token (else the status is None)."""
+        is a stop token (else the status is None), with the hashing deferred to the loop's end."""
         tokens = self.all_token_ids
         tokens.append(token_id)
         if len(tokens) >= self.next_event_at or token_id in self.stop_token_set:
             return self.after_append(token_id)
         return None
 
-    def after_append(self, token_id: int) -> RequestStatus | None:
+    def after_append(self, token_id: int, hash_later: list[Request] | None = None) -> RequestStatus | None:
         """The rest of :meth:`append_output_token` once ``token_id`` is appended: hash the block it
-        completes, return the status it brings."""
+        completes, return the status it brings.
+
+        ``hash_later``: instead of hashing now, add this request to that list; the caller calls
+        :meth:`hash_new_full_blocks` on each before ``block_hashes`` is read, and appends no other
+        token to it meanwhile. (The scheduler's update of a large batch hashes ~1 request in 16 a
+        step: one run of hashes after the loop keeps that code and data warm, ~5 % of the step
+        at 1,024 requests.)"""
         n = len(self.all_token_ids)
         if n >= self._next_hash_at:
-            self._hash_new_full_blocks()
+            if hash_later is None:
+                self.hash_new_full_blocks()
+            else:
+                hash_later.append(self)
         if token_id in self.stop_token_set and n >= self._stop_from:
             return _STOPPED
         if n >= self._length_at:
@@ -173,7 +182,7 @@ class Request:
             token_ids = (token_ids,)
         self.all_token_ids.extend(token_ids)
         if len(self.all_token_ids) >= self._next_hash_at:
-            self._hash_new_full_blocks()
+            self.hash_new_full_blocks()
 
     # -- block hashes ---------------------------------------------------------------------------------
 
@@ -184,15 +193,18 @@ class Request:
         if self._block_size and self._block_size != block_size:
             raise ValueError(f"block hashing already on with block_size {self._block_size}")
         self._block_size = block_size
-        self._hash_new_full_blocks()
+        self.hash_new_full_blocks()
 
     @property
     def hashing_block_size(self) -> int:
         """The block size ``block_hashes`` are computed for; 0 while hashing is off."""
         return self._block_size
 
-    def _hash_new_full_blocks(self) -> None:
+    def hash_new_full_blocks(self) -> None:
+        """Hash every full block not hashed yet (a no-op when hashing is off or all are)."""
         bs = self._block_size
+        if not bs:
+            return
         tokens = self.all_token_ids
         hashes = self.block_hashes
         for i in range(len(hashes), len(tokens) // bs):

@@ -406,6 +406,7 @@ class Scheduler:
         fair = self.waiting if self.config.policy == "fair" else None
         # per-request work only some steps have (one test per request for all of it when none)
         extras = fair is not None or bool(prompt_logprobs)
+        hash_later: list[Request] = []  # requests whose appended token completed a block
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
@@ -446,7 +447,7 @@ class Scheduler:
                 new_tokens = tokens
                 token = tokens[0]
                 all_ids.append(token)
-                status = (request.after_append(token) if num_tokens + 1 >= request.next_event_at
+                status = (request.after_append(token, hash_later) if num_tokens + 1 >= request.next_event_at
                           or token in request.stop_token_set else None)
             else:
                 new_tokens = []
@@ -463,6 +464,8 @@ class Scheduler:
             if status is not None:
                 output.finish_reason = status.finish_reason()
                 finished.append((request, status))
+        for request in hash_later:
+            request.hash_new_full_blocks()
         if finished:
             for request, status in finished:
                 self._finish(request, status)
