@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from scheduler_service.core import KVCacheManager
 
 from .helpers import make_request
@@ -154,3 +158,45 @@ def test_free_is_idempotent():
     m.free(a)
     m.free(a)
     assert m.get_num_free_blocks() == 8
+
+
+def _decoding_pool(num_blocks, seed):
+    """A manager whose requests all decode (prompts computed, one output token appended), with
+    lengths that put their next token at every place in a block, some shared prefixes."""
+    rng = random.Random(seed)
+    manager = make_manager(num_blocks=num_blocks, block_size=4)
+    shared = [9, 8, 7, 6, 5]
+    requests = []
+    for k in range(12):
+        own = [100 + 10 * k + j for j in range(rng.randrange(1, 9))]
+        request = make_request(request_id=f"r{k}", prompt_token_ids=(shared if k % 3 == 0 else []) + own, block_size=4)
+        if manager.allocate_slots(request, request.num_tokens) is None:
+            break
+        request.num_computed_tokens = request.num_tokens
+        request.append_output_token(rng.randrange(10, 99))
+        requests.append(request)
+    return manager, requests
+
+
+def _state(manager):
+    pool = manager.block_pool
+    return ({rid: [b.block_id for b in blocks] for rid, blocks in manager.req_to_blocks.items()},
+            dict(manager.num_cached_blocks), {h: b.block_id for h, b in pool.cached_blocks.items()},
+            pool.free_block_queue.num_free_blocks)
+
+
+@pytest.mark.parametrize("num_blocks", [60, 35, 26])  # room for all (one run after the loop), or not, or too little
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_slots_match_one_allocation_per_request(num_blocks, seed):
+    batched, requests = _decoding_pool(num_blocks, seed)
+    one_by_one, twins = _decoding_pool(num_blocks, seed)
+    got = batched.allocate_decode_slots(requests)
+    expected = []
+    for request in twins:
+        new = one_by_one.allocate_slots(request, 1)
+        if new is None:
+            break
+        expected.append([b.block_id for b in new])
+    assert got == expected
+    assert _state(batched) == _state(one_by_one)
+    batched.block_pool.check_invariants()
