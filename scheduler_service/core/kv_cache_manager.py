@@ -115,18 +115,14 @@ class KVCacheManager:
         ``spec_token_ids`` are emptied instead). Returns
         the ids of the blocks each got (the shared ``NO_BLOCK_IDS`` when none: do not mutate it), as
         long as that run: the first request not decoding, or not served, and those after it got
-        nothing.
-
-        Without drafts, when the pool has a free block for every request (each needs one at most),
-        no allocation can fail: the requests that start a block get theirs after the loop, in one
-        run from the free queue (the same blocks, in the same order, as one call each)."""
+        nothing. A request without drafts whose token starts a block takes it here, in line:
+        what ``allocate_slots(request, 1)`` does for it, without that call's general path."""
         new_block_ids: list[list[int]] = []
         add = new_block_ids.append
         bs = self.block_size
         tables = self.req_to_blocks
         num_cached = self.num_cached_blocks if self.enable_caching else None
-        starting: list[tuple[int, Request]] | None = (
-            [] if not with_drafts and self.block_pool.free_block_queue.num_free_blocks >= len(requests) else None)
+        pool = self.block_pool
         for request in requests:
             num_required_tokens = request.num_computed_tokens + 1
             if len(request.all_token_ids) != num_required_tokens:
@@ -144,11 +140,17 @@ class KVCacheManager:
                     request.spec_token_ids = []
                 else:
                     num_required_tokens = with_them
-            if num_required_tokens > len(tables[rid]) * bs:
-                if starting is not None:  # one block, after the loop
-                    starting.append((len(new_block_ids), request))
-                    add(NO_BLOCK_IDS)
-                    continue
+            table = tables[rid]
+            if num_required_tokens == len(table) * bs + 1:  # its token starts a block
+                if not pool.free_block_queue.num_free_blocks:
+                    break
+                block = pool.get_new_blocks(1)[0]
+                table.append(block)
+                add([block.block_id])
+                if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
+                    self.cache_blocks(request, num_required_tokens)
+                continue
+            if num_required_tokens > len(table) * bs:
                 new_blocks = self.allocate_slots(request, num_required_tokens - request.num_computed_tokens)
                 if new_blocks is None:
                     break
@@ -158,24 +160,7 @@ class KVCacheManager:
             if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
                 self.cache_blocks(request, num_required_tokens)
             add(NO_BLOCK_IDS)
-        if starting:
-            self._start_blocks(starting, new_block_ids)
         return new_block_ids
-
-    def _start_blocks(self, starting: list[tuple[int, Request]], new_block_ids: list[list[int]]) -> None:
-        """One new block each for ``starting``'s (index in ``new_block_ids``, decoding request whose
-        token starts a block) pairs (the pool holds enough free blocks), as ``allocate_slots(request,
-        1)`` would give it; its ids go to ``new_block_ids[index]``."""
-        blocks = self.block_pool.get_new_blocks(len(starting))
-        tables = self.req_to_blocks
-        num_cached = self.num_cached_blocks if self.enable_caching else None
-        for (at, request), block in zip(starting, blocks):
-            new_block_ids[at] = [block.block_id]
-            rid = request.request_id
-            tables[rid].append(block)
-            num_tokens = request.num_computed_tokens + 1
-            if num_cached is not None and num_tokens // self.block_size > num_cached[rid]:
-                self.cache_blocks(request, num_tokens)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
