@@ -174,13 +174,33 @@ static inline __attribute__((always_inline)) void block_scores(const bf16_t *qba
     _tile_stored(T_S1, sc + 16, KB * sizeof(float));
 }
 
+/* block_scores in two halves, for the head-size-64 loop's pipelining: the tile products of S (into
+ * T_S0, T_S1; Q through T_A and K through T_B), then (after other work) their store into sc. */
+static inline __attribute__((always_inline)) void block_scores64_issue(const bf16_t *qbase, int64_t qstride,
+                                                                        const uint32_t *kt) {
+    _tile_zero(T_S0);
+    _tile_zero(T_S1);
+    for (int h = 0; h < 2; h++) {
+        _tile_loadd(T_Q, qbase + h * 32, qstride);
+        _tile_loadd(T_K, kt + h * 256, 64);
+        _tile_dpbf16ps(T_S0, T_Q, T_K);
+        _tile_loadd(T_K, kt + (2 + h) * 256, 64);
+        _tile_dpbf16ps(T_S1, T_Q, T_K);
+    }
+}
+
+static inline __attribute__((always_inline)) void block_scores64_store(float *sc) {
+    _tile_stored(T_S0, sc, KB * sizeof(float));
+    _tile_stored(T_S1, sc + 16, KB * sizeof(float));
+}
+
 /* One query head's block of up to 16 tokens starting at token i0 of chunk `s`. */
 static void query_block(const struct call *c, const struct chunk *s, int head, int i0) {
     const int D = c->head_dim, halves = D / 32, dtiles = D / 16;
     const int kv = head / c->group, rows = s->q_len - i0 < QB ? s->q_len - i0 : QB;
     const int64_t ctx = s->seq_len - s->q_len, stride = slot_bytes(D);
     bf16_t qpad[QB * MAX_D] __attribute__((aligned(64)));
-    float sc[QB * KB] __attribute__((aligned(64)));
+    float sc[2][QB * KB] __attribute__((aligned(64)));  /* this block's scores, and the next one's */
     bf16_t p[QB * KB] __attribute__((aligned(64)));
     float o[QB * MAX_D] __attribute__((aligned(64)));
     float tmp[QB * 16] __attribute__((aligned(64)));
@@ -210,11 +230,21 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
         _tile_zero(T_O1);
         _tile_zero(T_O2);
         _tile_zero(T_O3);
+        /* Pipelined: the tile products of block b + 1's scores are issued before block b's
+         * softmax (AVX-512) and stored after it, so the tile unit works while the vector units
+         * do; the same arithmetic in the same order for every value. */
+        block_scores64_issue(qbase, qstride, (const uint32_t *)packed_block(c, s, kv, 0));
+        block_scores64_store(sc[0]);
         for (int b = 0; b < num_kblocks; b++) {
             const char *slot = packed_block(c, s, kv, b);
             const bf16_t *vv = (const bf16_t *)(slot + stride / 2);
-            block_scores(qbase, qstride, (const uint32_t *)slot, 2, sc);
-            if (block_softmax(c, sc, p, m, threshold, alpha, lacc, ctx, i0, b) && b > 0) {
+            const int more = b + 1 < num_kblocks;
+            if (more)
+                block_scores64_issue(qbase, qstride, (const uint32_t *)packed_block(c, s, kv, b + 1));
+            const int rescaled = block_softmax(c, sc[b & 1], p, m, threshold, alpha, lacc, ctx, i0, b);
+            if (more)
+                block_scores64_store(sc[(b + 1) & 1]);
+            if (rescaled && b > 0) {
                 store_o64(o); /* some row's maximum rose: its sums so far scale down */
                 rescale_rows(o, alpha, 64);
                 _tile_loadd(T_O0, o, 64 * sizeof(float));
@@ -238,8 +268,8 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
         for (int b = 0; b < num_kblocks; b++) {
             const char *slot = packed_block(c, s, kv, b);
             const bf16_t *vv = (const bf16_t *)(slot + stride / 2);
-            block_scores(qbase, qstride, (const uint32_t *)slot, halves, sc);
-            block_softmax(c, sc, p, m, threshold, alpha, lacc, ctx, i0, b);
+            block_scores(qbase, qstride, (const uint32_t *)slot, halves, sc[0]);
+            block_softmax(c, sc[0], p, m, threshold, alpha, lacc, ctx, i0, b);
             _tile_loadd(T_P, p, KB * sizeof(bf16_t));
             for (int t = 0; t < dtiles; t++) {
                 _tile_zero(T_O);
