@@ -157,10 +157,12 @@ static inline __attribute__((always_inline)) const char *packed_block(const stru
     return c->packed + ((int64_t)s->slots[b] * c->num_kv_heads + kv) * slot_bytes(c->head_dim);
 }
 
-/* S = Q K^T of one 32-key block into sc (16 rows of 32 fp32): two tile products per 32 head dims.
- * Uses the tiles T_Q and T_K (the head-size-64 path's T_A and T_B) and T_S0, T_S1. */
-static inline __attribute__((always_inline)) void block_scores(const bf16_t *qbase, int64_t qstride,
-                                                               const uint32_t *kt, int halves, float *sc) {
+/* S = Q K^T of one 32-key block, in two parts: the tile products into T_S0, T_S1 (two per 32 head
+ * dims; Q through T_Q and K through T_K, the head-size-64 path's T_A and T_B), then their store into
+ * sc (16 rows of 32 fp32). The head-size-64 loop puts the next block's products before this
+ * block's softmax and their store after it. */
+static inline __attribute__((always_inline)) void block_scores_issue(const bf16_t *qbase, int64_t qstride,
+                                                                     const uint32_t *kt, int halves) {
     _tile_zero(T_S0);
     _tile_zero(T_S1);
     for (int h = 0; h < halves; h++) {
@@ -170,26 +172,9 @@ static inline __attribute__((always_inline)) void block_scores(const bf16_t *qba
         _tile_loadd(T_K, kt + (halves + h) * 256, 64);
         _tile_dpbf16ps(T_S1, T_Q, T_K);
     }
-    _tile_stored(T_S0, sc, KB * sizeof(float));
-    _tile_stored(T_S1, sc + 16, KB * sizeof(float));
 }
 
-/* block_scores in two halves, for the head-size-64 loop's pipelining: the tile products of S (into
- * T_S0, T_S1; Q through T_A and K through T_B), then (after other work) their store into sc. */
-static inline __attribute__((always_inline)) void block_scores64_issue(const bf16_t *qbase, int64_t qstride,
-                                                                        const uint32_t *kt) {
-    _tile_zero(T_S0);
-    _tile_zero(T_S1);
-    for (int h = 0; h < 2; h++) {
-        _tile_loadd(T_Q, qbase + h * 32, qstride);
-        _tile_loadd(T_K, kt + h * 256, 64);
-        _tile_dpbf16ps(T_S0, T_Q, T_K);
-        _tile_loadd(T_K, kt + (2 + h) * 256, 64);
-        _tile_dpbf16ps(T_S1, T_Q, T_K);
-    }
-}
-
-static inline __attribute__((always_inline)) void block_scores64_store(float *sc) {
+static inline __attribute__((always_inline)) void block_scores_store(float *sc) {
     _tile_stored(T_S0, sc, KB * sizeof(float));
     _tile_stored(T_S1, sc + 16, KB * sizeof(float));
 }
@@ -233,17 +218,17 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
         /* Pipelined: the tile products of block b + 1's scores are issued before block b's
          * softmax (AVX-512) and stored after it, so the tile unit works while the vector units
          * do; the same arithmetic in the same order for every value. */
-        block_scores64_issue(qbase, qstride, (const uint32_t *)packed_block(c, s, kv, 0));
-        block_scores64_store(sc[0]);
+        block_scores_issue(qbase, qstride, (const uint32_t *)packed_block(c, s, kv, 0), 2);
+        block_scores_store(sc[0]);
         for (int b = 0; b < num_kblocks; b++) {
             const char *slot = packed_block(c, s, kv, b);
             const bf16_t *vv = (const bf16_t *)(slot + stride / 2);
             const int more = b + 1 < num_kblocks;
             if (more)
-                block_scores64_issue(qbase, qstride, (const uint32_t *)packed_block(c, s, kv, b + 1));
+                block_scores_issue(qbase, qstride, (const uint32_t *)packed_block(c, s, kv, b + 1), 2);
             const int rescaled = block_softmax(c, sc[b & 1], p, m, threshold, alpha, lacc, ctx, i0, b);
             if (more)
-                block_scores64_store(sc[(b + 1) & 1]);
+                block_scores_store(sc[(b + 1) & 1]);
             if (rescaled && b > 0) {
                 store_o64(o); /* some row's maximum rose: its sums so far scale down */
                 rescale_rows(o, alpha, 64);
@@ -268,7 +253,8 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
         for (int b = 0; b < num_kblocks; b++) {
             const char *slot = packed_block(c, s, kv, b);
             const bf16_t *vv = (const bf16_t *)(slot + stride / 2);
-            block_scores(qbase, qstride, (const uint32_t *)slot, halves, sc[0]);
+            block_scores_issue(qbase, qstride, (const uint32_t *)slot, halves);
+            block_scores_store(sc[0]);
             block_softmax(c, sc[0], p, m, threshold, alpha, lacc, ctx, i0, b);
             _tile_loadd(T_P, p, KB * sizeof(bf16_t));
             for (int t = 0; t < dtiles; t++) {

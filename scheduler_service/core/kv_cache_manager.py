@@ -136,7 +136,7 @@ class KVCacheManager:
             if with_drafts and request.spec_token_ids:
                 with_them = num_required_tokens + len(request.spec_token_ids)
                 extra = -(-with_them // bs) - max(len(tables[rid]), -(-num_required_tokens // bs))
-                if extra > 0 and self.block_pool.free_block_queue.num_free_blocks - extra < draft_reserve:
+                if extra > 0 and pool.free_block_queue.num_free_blocks - extra < draft_reserve:
                     request.spec_token_ids = []
                 else:
                     num_required_tokens = with_them
@@ -154,8 +154,7 @@ class KVCacheManager:
                 new_blocks = self.allocate_slots(request, num_required_tokens - request.num_computed_tokens)
                 if new_blocks is None:
                     break
-                # (the usual case, one new block, without a comprehension's frame)
-                add([new_blocks[0].block_id] if len(new_blocks) == 1 else [b.block_id for b in new_blocks])
+                add([b.block_id for b in new_blocks])
                 continue
             if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
                 self.cache_blocks(request, num_required_tokens)
