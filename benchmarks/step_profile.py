@@ -130,6 +130,8 @@ def install(llm: Any) -> Iterator[StepProfile]:
         (runner, "reshape_and_cache", w("KV-cache writes", runner.reshape_and_cache)),
         (runner, "paged_attention", w(f"attention ({backend}): batch split / glue", runner.paged_attention)),
         (runner.model, "compute_logits", w("logits (LM-head GEMM + fp32)", runner.model.compute_logits)),
+        # a plain greedy step's LM head: the GEMM and each row's argmax, no fp32 logits
+        (runner.model, "greedy_token_ids", w("logits (LM-head GEMM + fp32)", runner.model.greedy_token_ids)),
         *([(runner.model.head_gemm, "forward", w("logits (LM-head GEMM + fp32)", runner.model.head_gemm.forward))]
           if getattr(runner.model, "head_gemm", None) is not None else []),
         (runner, "sampler", w("sampler", runner.sampler)),

@@ -27,6 +27,7 @@ _SIGNATURES = {
     "rope_bf16": [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I32],
     "silu_mul_bf16": [_P, _I64, _P, _I64, _I64, _I64, _I32],
     "refine_logits_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    "greedy_refined_bf16": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I32, _I32],
 }
 
 
@@ -122,3 +123,21 @@ def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
         logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0),
         out.data_ptr(), out.stride(0), logits.shape[0], logits.shape[1], hidden.shape[1], k, torch.get_num_threads())
     return out
+
+
+def greedy_refined(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The greedy token of each row of :func:`refine_logits`' result, as ``int64 [N]``, without making
+    that fp32 ``[N, V]`` result: the first index of each row's largest value, which only the ``k``
+    exact values and the largest of the rest can be. The same tokens as ``refine_logits(...).max(-1)``
+    (the sampler's ``first_argmax``), at the cost of the selection alone. None when a row holds a NaN
+    (a logit or an exact value): then take the long way, whose NaN rules are torch's."""
+    if not (_rows(logits) and _rows(hidden) and _rows(weight) and logits.dtype == hidden.dtype == weight.dtype
+            == torch.bfloat16 and logits.shape[0] == hidden.shape[0] and logits.shape[1] == weight.shape[0]
+            and hidden.shape[1] == weight.shape[1] and 0 <= k <= 64):
+        raise ValueError("greedy_refined: logits [N, V], hidden [N, D] and weight [V, D] must be bf16 rows, k <= 64 "
+                         f"(got {tuple(logits.shape)}, {tuple(hidden.shape)}, {tuple(weight.shape)}, k={k})")
+    ids = torch.empty(logits.shape[0], dtype=torch.int64)
+    _entry("greedy_refined_bf16")(
+        logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0),
+        ids.data_ptr(), logits.shape[0], logits.shape[1], hidden.shape[1], k, torch.get_num_threads())
+    return None if ids.numel() and bool((ids < 0).any()) else ids

@@ -189,9 +189,14 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)  # [T, D]
         out = ModelRunnerOutput()
         if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices],  # [M, V] fp32
-                                               self._logits_buffer(len(inputs.logits_indices)))
-            sampled = self.sampler(logits, self._sampling_metadata(inputs.sample_rows, inputs.sample_offsets))
+            meta = self._sampling_metadata(inputs.sample_rows, inputs.sample_offsets)
+            sample_hidden = hidden[inputs.logits_indices]  # [M, D]
+            token_ids = self.model.greedy_token_ids(sample_hidden) if meta.plain_greedy else None
+            if token_ids is not None:  # each row's argmax alone: no [M, V] fp32 logits made
+                sampled = SamplerOutput(token_ids=token_ids)
+            else:
+                logits = self.model.compute_logits(sample_hidden, self._logits_buffer(len(inputs.logits_indices)))
+                sampled = self.sampler(logits, meta)
             out = self._collect(inputs, sampled)
             if self.batch.prompt_lookup is not None:
                 out.spec_token_ids = self._propose_drafts(out.sampled_token_ids)

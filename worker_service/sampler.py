@@ -117,6 +117,15 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return not bool((self.temperature > 0).any())
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes its largest logit as the model gives it: greedy, and nothing changes the
+        logits or asks for their logprobs (a row's filters do not matter to greedy). Such a step
+        needs each row's argmax alone (``LlamaForCausalLM.greedy_token_ids``)."""
+        return (self.max_num_logprobs is None and self.logit_bias is None and self.repetition_penalty is None
+                and self.presence_penalty is None and self.frequency_penalty is None and self.banned_tokens is None
+                and self.allowed_tokens is None and self.grammar_mask is None and self.all_greedy)
+
 
 @dataclass(slots=True)
 class SamplerOutput:

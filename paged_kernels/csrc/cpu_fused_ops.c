@@ -131,6 +131,60 @@ void silu_mul_bf16(const bf16_t *x, int64_t x_stride, bf16_t *out, int64_t o_str
  * by one only when its max beats the k-th kept), then k dot products; each row on its own, so a
  * row's result never depends on the batch. k <= 64. */
 #define REFINE_MAX_K 64
+
+/* The `k` largest values of a bf16 row of `vocab` (ties to the lower token id), descending, into
+ * top_value / top_id; returns how many were kept (min(k, vocab)). With `widened`, every value is also
+ * stored there as fp32 (the row refine_logits_bf16 writes). `has_nan` (unless NULL): whether the
+ * row holds a NaN (the selection's order is then meaningless). A block of 16 is looked at one by one
+ * only when its max beats the k-th kept. */
+static int top_k_bf16(const bf16_t *l, int64_t vocab, int k, float *widened, float *top_value, int64_t *top_id,
+                      int *has_nan)
+{
+    int kept = 0;
+    float threshold = -INFINITY;  /* a value must beat it to be kept (the k-th kept, once k are) */
+    float block[16];
+    /* NaN by its bits (the flags assume finite math): a magnitude above +inf's, 0x7F80, carries into
+       bit 15 once 0x7F is added. A pass of its own: in the loop below it costs that loop its speed. */
+    if (has_nan != NULL) {
+        uint16_t carry = 0;
+        for (int64_t i = 0; i < vocab; i++) carry |= (uint16_t)((l[i] & 0x7FFF) + 0x7F);
+        *has_nan = (carry & 0x8000) != 0;
+    }
+    for (int64_t start = 0; start < vocab; start += 16) {
+        const int64_t n = vocab - start < 16 ? vocab - start : 16;
+        float *v = widened != NULL ? widened + start : block;
+        float block_max = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            v[i] = bf16_to_f32(l[start + i]);
+            block_max = v[i] > block_max ? v[i] : block_max;
+        }
+        if (kept == k && (k == 0 || !(block_max > threshold))) continue;
+        for (int64_t i = 0; i < n; i++) {
+            if (kept == k && !(v[i] > threshold)) continue;
+            int at = kept < k ? kept++ : k - 1;  /* the slot it takes: the end, or the k-th's */
+            while (at > 0 && top_value[at - 1] < v[i]) {
+                top_value[at] = top_value[at - 1];
+                top_id[at] = top_id[at - 1];
+                at--;
+            }
+            top_value[at] = v[i];
+            top_id[at] = start + i;
+            if (kept == k) threshold = top_value[k - 1];
+        }
+    }
+    return kept;
+}
+
+/* fp32 dot product of a bf16 hidden row and a bf16 weight row. Not inlined: the compiler may order
+ * the sums as it likes (-fassociative-math), so both kernels call the one compiled copy and get the
+ * same bits. */
+static __attribute__((noinline)) float exact_dot_bf16(const bf16_t *h, const bf16_t *w, int64_t dim)
+{
+    float sum = 0.f;
+    for (int64_t d = 0; d < dim; d++) sum += bf16_to_f32(h[d]) * bf16_to_f32(w[d]);
+    return sum;
+}
+
 void refine_logits_bf16(const bf16_t *logits, int64_t l_stride, const bf16_t *hidden, int64_t h_stride,
                         const bf16_t *weight, int64_t w_stride, float *out, int64_t o_stride,
                         int64_t rows, int64_t vocab, int64_t dim, int k, int num_threads)
@@ -139,41 +193,49 @@ void refine_logits_bf16(const bf16_t *logits, int64_t l_stride, const bf16_t *hi
     if (k > REFINE_MAX_K) k = REFINE_MAX_K;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (rows * vocab >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const bf16_t *l = logits + r * l_stride;
         float *o = out + r * o_stride;
-        float top_value[REFINE_MAX_K];  /* the k largest so far, descending; ids ascending among ties */
+        float top_value[REFINE_MAX_K];
         int64_t top_id[REFINE_MAX_K];
-        int kept = 0;
-        float threshold = -INFINITY;  /* a value must beat it to be kept (the k-th kept, once k are) */
-        for (int64_t start = 0; start < vocab; start += 16) {
-            const int64_t n = vocab - start < 16 ? vocab - start : 16;
-            float block_max = -INFINITY;
-            for (int64_t i = 0; i < n; i++) {
-                const float v = bf16_to_f32(l[start + i]);
-                o[start + i] = v;
-                block_max = v > block_max ? v : block_max;
-            }
-            if (!(block_max > threshold) && kept == k) continue;
-            for (int64_t i = 0; i < n; i++) {
-                const float v = o[start + i];
-                if (kept == k && !(v > threshold)) continue;
-                int at = kept < k ? kept++ : k - 1;  /* the slot it takes: the end, or the k-th's */
-                while (at > 0 && top_value[at - 1] < v) {
-                    top_value[at] = top_value[at - 1];
-                    top_id[at] = top_id[at - 1];
-                    at--;
-                }
-                top_value[at] = v;
-                top_id[at] = start + i;
-                if (kept == k) threshold = top_value[k - 1];
-            }
-        }
+        const int kept = top_k_bf16(logits + r * l_stride, vocab, k, o, top_value, top_id, NULL);
         const bf16_t *h = hidden + r * h_stride;
-        for (int j = 0; j < kept; j++) {
-            const bf16_t *w = weight + top_id[j] * w_stride;
-            float sum = 0.f;
-            for (int64_t d = 0; d < dim; d++) sum += bf16_to_f32(h[d]) * bf16_to_f32(w[d]);
-            o[top_id[j]] = sum;
+        for (int j = 0; j < kept; j++) o[top_id[j]] = exact_dot_bf16(h, weight + top_id[j] * w_stride, dim);
+    }
+}
+
+/* The token greedy decoding takes from the row refine_logits_bf16 would write, without writing it:
+ * out_ids[r] = the first index of the row's largest value (torch's `max` over the row), the row being
+ * the `k` largest logits recomputed exactly and the rest widened. Only the k + 1 largest can hold it:
+ * the k exact values, or the largest of the others (the (k + 1)-th, first among equals, which beats
+ * them all when every exact value fell below its bf16 rounding). A row holding a NaN (a logit or an
+ * exact value) gets -1: the caller computes it the long way. */
+void greedy_refined_bf16(const bf16_t *logits, int64_t l_stride, const bf16_t *hidden, int64_t h_stride,
+                         const bf16_t *weight, int64_t w_stride, int64_t *out_ids,
+                         int64_t rows, int64_t vocab, int64_t dim, int k, int num_threads)
+{
+    if (k > vocab) k = (int)vocab;
+    if (k > REFINE_MAX_K) k = REFINE_MAX_K;
+    const int k1 = k + 1 <= vocab ? k + 1 : k;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (rows * vocab >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float top_value[REFINE_MAX_K + 1];
+        int64_t top_id[REFINE_MAX_K + 1];
+        int has_nan;
+        const int kept = top_k_bf16(logits + r * l_stride, vocab, k1, NULL, top_value, top_id, &has_nan);
+        const int exact = kept < k ? kept : k;
+        const bf16_t *h = hidden + r * h_stride;
+        for (int j = 0; j < exact; j++) {
+            top_value[j] = exact_dot_bf16(h, weight + top_id[j] * w_stride, dim);
+            uint32_t bits;
+            memcpy(&bits, &top_value[j], sizeof bits);
+            has_nan |= (bits & 0x7FFFFFFFu) > 0x7F800000u;
         }
+        if (has_nan) {
+            out_ids[r] = -1;
+            continue;
+        }
+        int best = 0;
+        for (int j = 1; j < kept; j++)
+            if (top_value[j] > top_value[best] || (top_value[j] == top_value[best] && top_id[j] < top_id[best])) best = j;
+        out_ids[r] = kept ? top_id[best] : 0;
     }
 }

@@ -79,3 +79,34 @@ def test_bf16_logits_keep_fp32_precision_at_the_top(tiny_llama):
     top = exact.topk(REFINED_LOGITS // 2, dim=-1).indices
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), atol=1e-5, rtol=1e-5)
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
+def test_plain_greedy_steps_take_each_rows_argmax_without_the_fp32_logits(tiny_llama, monkeypatch):
+    """A bf16 engine's greedy requests (drafts verified too) get the very tokens the fp32 logits and the
+    sampler give, without those logits being made; a request that needs them (logprobs) still has them."""
+    from worker_service.models.llama import LlamaForCausalLM
+
+    prompts = random_prompts([3, 40, 100, 7], seed=11)
+    # a prompt that repeats itself: n-gram drafts, verified in the same steps
+    prompts.append((prompts[1][:12] * 4)[:45])
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run():
+        llm = LLM(tiny_llama.path, skip_tokenizer_init=True, dtype="bfloat16", kv_cache_memory="4MiB",
+                  enable_prefix_caching=False, num_speculative_tokens=3)
+        return [o.token_ids for o in llm.generate(prompts, greedy)], llm
+
+    made = []
+    compute_logits = LlamaForCausalLM.compute_logits
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits",
+                        lambda self, hidden, out=None: made.append(hidden.shape[0]) or compute_logits(self, hidden, out))
+    fast, llm = run()
+    from paged_kernels import cpu_fused
+
+    assert not made or not cpu_fused.available()  # every step took the argmax alone (the C selection)
+    monkeypatch.setattr(LlamaForCausalLM, "greedy_token_ids", lambda self, hidden: None)
+    long_way, _ = run()
+    assert made and fast == long_way
+    monkeypatch.undo()
+    with_logprobs = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2))[0]
+    assert with_logprobs.token_ids == fast[0][:4] and len(with_logprobs.logprobs) == 4

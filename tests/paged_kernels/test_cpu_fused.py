@@ -194,6 +194,51 @@ def test_refined_logits_go_into_a_given_buffer():
 
 
 @needs_native
+@pytest.mark.parametrize("k", [0, 1, 8, 64])
+@pytest.mark.parametrize("vocab", [5, 9, 3000])  # fewer tokens than k + 1, then many
+def test_greedy_refined_takes_the_token_the_refined_row_gives(k, vocab):
+    from worker_service.sampler import first_argmax
+
+    for seed in range(4):
+        hidden, weight, logits = lm_head(33, vocab=vocab, seed=seed)
+        if seed == 1:  # coarse logits: ties and near-ties at the top everywhere
+            hidden = (hidden * 8).to(torch.bfloat16)
+            logits = torch.nn.functional.linear(hidden, weight)
+        if seed == 2:  # pairs of equal weight rows: equal bf16 logits, equal exact sums, ids apart
+            weight[1::2] = weight[0::2][: weight[1::2].shape[0]]
+            logits = torch.nn.functional.linear(hidden, weight)
+        expected = first_argmax(cpu_fused.refine_logits(logits, hidden, weight, k))
+        got = cpu_fused.greedy_refined(logits, hidden, weight, k)
+        assert got.dtype == torch.int64 and torch.equal(got, expected), (seed, got, expected)
+
+
+@needs_native
+def test_greedy_refined_picks_the_largest_of_the_rest_when_every_exact_value_falls_below_it():
+    # every logit equal in bf16 (1.0), the exact sums of the refined ids a little less: the first
+    # unrefined id (k) holds the row's largest value, 1.0
+    hidden = torch.ones(1, 64, dtype=torch.bfloat16)
+    weight = torch.full((10, 64), 1 / 64, dtype=torch.bfloat16)
+    weight[:, 0] = 1 / 64 - 1 / 2048  # exact sums 1 - 1/2048: rounded to 1.0 in bf16
+    logits = torch.nn.functional.linear(hidden, weight)
+    assert (logits == 1.0).all()
+    refined = cpu_fused.refine_logits(logits, hidden, weight, 4)
+    assert (refined[0, :4] < 1.0).all() and (refined[0, 4:] == 1.0).all()
+    assert cpu_fused.greedy_refined(logits, hidden, weight, 4).tolist() == [4]
+
+
+@needs_native
+def test_greedy_refined_leaves_rows_holding_a_nan_to_the_long_way():
+    hidden, weight, logits = lm_head(3)
+    assert cpu_fused.greedy_refined(logits, hidden, weight, 8) is not None
+    logits[1, 17] = float("nan")
+    assert cpu_fused.greedy_refined(logits, hidden, weight, 8) is None
+    hidden, weight, logits = lm_head(3)
+    hidden[2, :2] = torch.tensor([float("inf"), float("-inf")])  # its exact sums: inf - inf, NaN
+    weight[:, :2] = 1.0
+    assert cpu_fused.greedy_refined(logits, hidden, weight, 8) is None
+
+
+@needs_native
 def test_bad_arguments_are_refused_by_name():
     norm = bf16_norm()
     with pytest.raises(ValueError, match="rms_norm: x must be fp32"):
@@ -219,6 +264,10 @@ def test_bad_arguments_are_refused_by_name():
         cpu_fused.refine_logits(logits, hidden[:, :10], weight, 8)
     with pytest.raises(ValueError, match="refine_logits: out must be fp32 rows"):
         cpu_fused.refine_logits(logits, hidden, weight, 8, out=torch.empty(3, logits.shape[1]))
+    with pytest.raises(ValueError, match=r"greedy_refined: logits \[N, V\]"):
+        cpu_fused.greedy_refined(logits.float(), hidden, weight, 8)
+    with pytest.raises(ValueError, match="greedy_refined"):
+        cpu_fused.greedy_refined(logits, hidden, weight, 65)
 
 
 def test_only_bf16_cpu_tensors_outside_autograd_take_the_fused_path(monkeypatch):

@@ -64,6 +64,18 @@ def test_greedy_is_exact_argmax_first_index_on_ties():
     assert out.token_ids.tolist() == [1, 0]
 
 
+def test_plain_greedy_means_nothing_but_each_rows_argmax_is_needed():
+    ids = torch.tensor([0]), torch.tensor([3])
+    assert meta_for(3, temperature=0.0).plain_greedy
+    assert meta_for(3, temperature=0.0, top_k=torch.full((3,), 2), top_p=torch.full((3,), 0.5)).plain_greedy
+    assert not meta_for(3, temperature=0.7).plain_greedy
+    for field, value in [("max_num_logprobs", 0), ("logit_bias", (*ids, torch.tensor([1.0]))),
+                         ("repetition_penalty", torch.full((3,), 1.2)), ("presence_penalty", torch.ones(3)),
+                         ("frequency_penalty", torch.ones(3)), ("banned_tokens", ids), ("allowed_tokens", ids),
+                         ("grammar_mask", (torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32)))]:
+        assert not meta_for(3, temperature=0.0, **{field: value}).plain_greedy, field
+
+
 def test_noise_is_a_pure_function_of_seed_position_and_token():
     seeds = torch.tensor([7, 7, 8, 7])
     positions = torch.tensor([3, 4, 3, 3])

@@ -185,21 +185,40 @@ class LlamaForCausalLM(nn.Module):
         when given (fp32, at least ``N`` rows of ``V``: the runner's buffer, reused every step; the
         result is then a view of it).
         """
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        rows = hidden.shape[0]
-        padded = self._padded(rows)
-        head_input = hidden if padded == rows else F.pad(hidden, (0, 0, 0, padded - rows))
-        logits = F.linear(head_input, weight) if self.head_gemm is None else self.head_gemm(head_input)  # [N, V]
-        logits = logits[:rows]
+        weight = self._head_weight()
+        logits = self._head(hidden)  # [N, V]
         if logits.shape[0] > 0 and cpu_fused.applies(logits):  # bf16 on the CPU: the same in one pass (C)
             return cpu_fused.refine_logits(logits, hidden.contiguous(), weight, REFINED_LOGITS,
-                                           None if out is None else out[:rows])
+                                           None if out is None else out[:logits.shape[0]])
         logits = logits.float()
         if weight.dtype != torch.float32 and logits.shape[0] > 0:
             top = logits.topk(min(REFINED_LOGITS, logits.shape[1]), dim=-1).indices  # [N, k]
             exact = torch.einsum("nd,nkd->nk", hidden.float(), weight[top].float())  # [N, k]
             logits.scatter_(1, top, exact)
         return logits
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The greedy token of each row of ``hidden`` ``[N, D]`` (int64 ``[N]``): the first index of
+        the largest of :meth:`compute_logits`' values, the same tokens as the sampler's greedy pick
+        from them, without making the fp32 ``[N, V]`` logits (a bf16 model on the CPU:
+        ``cpu_fused.greedy_refined``, the LM-head GEMM then the selection alone). None where this
+        path does not run (another dtype or device, no C library, a NaN in a row): compute the
+        logits and sample them."""
+        weight = self._head_weight()
+        if not hidden.shape[0] or not cpu_fused.applies(weight):
+            return None
+        return cpu_fused.greedy_refined(self._head(hidden), hidden.contiguous(), weight, REFINED_LOGITS)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM-head GEMM's output ``[N, V]`` in the model dtype (its rows padded as the forward pass's)."""
+        rows = hidden.shape[0]
+        padded = self._padded(rows)
+        head_input = hidden if padded == rows else F.pad(hidden, (0, 0, 0, padded - rows))
+        weight = self._head_weight()
+        return (F.linear(head_input, weight) if self.head_gemm is None else self.head_gemm(head_input))[:rows]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a Hugging Face ``LlamaForCausalLM``-style state dict in, fusing q/k/v and gate/up.
