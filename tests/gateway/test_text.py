@@ -39,6 +39,40 @@ def test_the_backend_decode_gives_what_the_tokenizers_decode_gives(hf_tokenizer)
     assert backend_decode(Slow()) is None and backend_decode(object()) is None
 
 
+def test_the_backend_encode_gives_what_the_tokenizers_encode_gives(hf_tokenizer):
+    import random
+
+    from gateway_service.text import PromptTokenizer, backend_encode
+
+    fast = backend_encode(hf_tokenizer)
+    assert fast is not None  # SmolLM2's tokenizer is transformers' fast one, its encode path unchanged
+    rng = random.Random(1)
+    specials = [hf_tokenizer.decode([i]) for i in hf_tokenizer.all_special_ids]
+    texts = ["", " ", "  leading and trailing  ", "naïve café — 東京タワー 🚀\n\n\ttabs", "<|im_start|>user\nhi<|im_end|>",
+             "\u200b\ufeff zero width", "a" * 5000]
+    for _ in range(200):  # random ids decoded (vLLM's random prompts), special tokens' text among them
+        ids = [rng.randrange(len(hf_tokenizer)) for _ in range(rng.randrange(1, 80))]
+        text = hf_tokenizer.decode(ids)
+        if rng.random() < 0.3:
+            text = rng.choice(specials).join([text, text[: rng.randrange(len(text) + 1)]])
+        texts.append(text)
+    prompts = PromptTokenizer(hf_tokenizer)
+    for text in texts:
+        for special in (True, False):
+            expected = list(hf_tokenizer.encode(text, add_special_tokens=special))
+            assert fast(text, special) == expected, text
+            assert prompts.encode_text(text, add_special_tokens=special) == expected
+
+    # a backend left truncating (by a call elsewhere): the plain encode path, which resets it
+    hf_tokenizer.backend_tokenizer.enable_truncation(4)
+    try:
+        assert fast("one two three four five six", True) is None
+        assert prompts.encode_text("one two three four five six") == list(hf_tokenizer.encode("one two three four five six"))
+    finally:
+        hf_tokenizer.backend_tokenizer.no_truncation()
+    assert backend_encode(object()) is None
+
+
 def test_stop_matcher_holds_back_possible_stop_prefixes():
     m = StopStringMatcher(("STOP", "\n\n"))
     assert m.feed("hello S") == ("hello ", None)
