@@ -96,6 +96,16 @@ def test_plain_greedy_steps_take_each_rows_argmax_without_the_fp32_logits(tiny_l
                   enable_prefix_caching=False, num_speculative_tokens=3)
         return [o.token_ids for o in llm.generate(prompts, greedy)], llm
 
+    from worker_service.model_runner import ModelRunner
+
+    drafts = []  # draft tokens the steps verified
+    execute = ModelRunner.execute_model
+
+    def counted(self, plan):
+        drafts.append(sum(map(len, plan.scheduled_spec_decode_tokens.values())))
+        return execute(self, plan)
+
+    monkeypatch.setattr(ModelRunner, "execute_model", counted)
     made = []
     compute_logits = LlamaForCausalLM.compute_logits
     monkeypatch.setattr(LlamaForCausalLM, "compute_logits",
@@ -104,6 +114,7 @@ def test_plain_greedy_steps_take_each_rows_argmax_without_the_fp32_logits(tiny_l
     from paged_kernels import cpu_fused
 
     assert not made or not cpu_fused.available()  # every step took the argmax alone (the C selection)
+    assert sum(drafts) > 0  # ... draft rows among them
     monkeypatch.setattr(LlamaForCausalLM, "greedy_token_ids", lambda self, hidden: None)
     long_way, _ = run()
     assert made and fast == long_way
