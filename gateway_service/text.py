@@ -54,10 +54,9 @@ def backend_encode(tokenizer: Any) -> Callable[[str, bool], list[int] | None] | 
             or type(tokenizer)._encode_plus is not TokenizersBackend._encode_plus
             or type(tokenizer).encode is not PreTrainedTokenizerBase.encode):
         return None
-    split = bool(getattr(tokenizer, "split_special_tokens", False))
-
     def encode(text: str, add_special_tokens: bool) -> list[int] | None:
-        if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens != split:
+        if (backend.truncation is not None or backend.padding is not None
+                or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False))):
             return None
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 

@@ -70,6 +70,15 @@ def test_the_backend_encode_gives_what_the_tokenizers_encode_gives(hf_tokenizer)
         assert prompts.encode_text("one two three four five six") == list(hf_tokenizer.encode("one two three four five six"))
     finally:
         hf_tokenizer.backend_tokenizer.no_truncation()
+    # special tokens split later (the tokenizer's own switch): the plain path, which follows it
+    hf_tokenizer.split_special_tokens = True
+    try:
+        assert fast("<|im_start|>user", True) is None
+        assert prompts.encode_text("<|im_start|>user") == list(hf_tokenizer.encode("<|im_start|>user"))
+    finally:
+        hf_tokenizer.split_special_tokens = False
+        hf_tokenizer.encode("")  # the backend follows the switch at transformers' next call
+    assert fast("<|im_start|>user", True) == list(hf_tokenizer.encode("<|im_start|>user"))
     assert backend_encode(object()) is None
 
 
