@@ -100,6 +100,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _check_lm_head(name: str, logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    if not (_rows(logits) and _rows(hidden) and _rows(weight) and logits.dtype == hidden.dtype == weight.dtype
+            == torch.bfloat16 and logits.shape[0] == hidden.shape[0] and logits.shape[1] == weight.shape[0]
+            and hidden.shape[1] == weight.shape[1] and 0 <= k <= 64):
+        raise ValueError(f"{name}: logits [N, V], hidden [N, D] and weight [V, D] must be bf16 rows, k <= 64 "
+                         f"(got {tuple(logits.shape)}, {tuple(hidden.shape)}, {tuple(weight.shape)}, k={k})")
+
+
 def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 logits ``[N, V]`` of the LM-head GEMM's bf16 output ``logits`` ``[N, V]``, with the ``k``
@@ -109,11 +117,7 @@ def refine_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Tens
     sums run in a fixed order of their own (not torch's): each row's result is the same in any batch.
     ``out``: where to write them (fp32 ``[N, V]`` rows), e.g. a buffer kept between steps; over
     32 MiB a fresh tensor is a mapping of its own, faulted in page by page at every call."""
-    if not (_rows(logits) and _rows(hidden) and _rows(weight) and logits.dtype == hidden.dtype == weight.dtype
-            == torch.bfloat16 and logits.shape[0] == hidden.shape[0] and logits.shape[1] == weight.shape[0]
-            and hidden.shape[1] == weight.shape[1] and 0 <= k <= 64):
-        raise ValueError("refine_logits: logits [N, V], hidden [N, D] and weight [V, D] must be bf16 rows, k <= 64 "
-                         f"(got {tuple(logits.shape)}, {tuple(hidden.shape)}, {tuple(weight.shape)}, k={k})")
+    _check_lm_head("refine_logits", logits, hidden, weight, k)
     if out is None:
         out = torch.empty(logits.shape, dtype=torch.float32)
     elif not (_rows(out) and out.dtype == torch.float32 and out.shape == logits.shape):
@@ -131,11 +135,7 @@ def greedy_refined(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.Ten
     exact values and the largest of the rest can be. The same tokens as ``refine_logits(...).max(-1)``
     (the sampler's ``first_argmax``), at the cost of the selection alone. None when a row holds a NaN
     (a logit or an exact value): then take the long way, whose NaN rules are torch's."""
-    if not (_rows(logits) and _rows(hidden) and _rows(weight) and logits.dtype == hidden.dtype == weight.dtype
-            == torch.bfloat16 and logits.shape[0] == hidden.shape[0] and logits.shape[1] == weight.shape[0]
-            and hidden.shape[1] == weight.shape[1] and 0 <= k <= 64):
-        raise ValueError("greedy_refined: logits [N, V], hidden [N, D] and weight [V, D] must be bf16 rows, k <= 64 "
-                         f"(got {tuple(logits.shape)}, {tuple(hidden.shape)}, {tuple(weight.shape)}, k={k})")
+    _check_lm_head("greedy_refined", logits, hidden, weight, k)
     ids = torch.empty(logits.shape[0], dtype=torch.int64)
     _entry("greedy_refined_bf16")(
         logits.data_ptr(), logits.stride(0), hidden.data_ptr(), hidden.stride(0), weight.data_ptr(), weight.stride(0),

@@ -147,18 +147,16 @@ class KVCacheManager:
                 block = pool.get_new_blocks(1)[0]
                 table.append(block)
                 add([block.block_id])
-                if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
-                    self.cache_blocks(request, num_required_tokens)
-                continue
-            if num_required_tokens > len(table) * bs:
+            elif num_required_tokens > len(table) * bs:
                 new_blocks = self.allocate_slots(request, num_required_tokens - request.num_computed_tokens)
                 if new_blocks is None:
                     break
                 add([b.block_id for b in new_blocks])
-                continue
+                continue  # (allocate_slots cached what its tokens fill)
+            else:
+                add(NO_BLOCK_IDS)
             if num_cached is not None and num_required_tokens // bs > num_cached[rid]:
                 self.cache_blocks(request, num_required_tokens)
-            add(NO_BLOCK_IDS)
         return new_block_ids
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

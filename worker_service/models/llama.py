@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         result is then a view of it).
         """
         weight = self._head_weight()
-        logits = self._head(hidden)  # [N, V]
+        logits = self._head(hidden, weight)  # [N, V]
         if logits.shape[0] > 0 and cpu_fused.applies(logits):  # bf16 on the CPU: the same in one pass (C)
             return cpu_fused.refine_logits(logits, hidden.contiguous(), weight, REFINED_LOGITS,
                                            None if out is None else out[:logits.shape[0]])
@@ -207,17 +207,17 @@ class LlamaForCausalLM(nn.Module):
         weight = self._head_weight()
         if not hidden.shape[0] or not cpu_fused.applies(weight):
             return None
-        return cpu_fused.greedy_refined(self._head(hidden), hidden.contiguous(), weight, REFINED_LOGITS)
+        return cpu_fused.greedy_refined(self._head(hidden, weight), hidden.contiguous(), weight, REFINED_LOGITS)
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM-head GEMM's output ``[N, V]`` in the model dtype (its rows padded as the forward pass's)."""
+    def _head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The LM-head GEMM's output ``[N, V]`` in the model dtype (its rows padded as the forward
+        pass's); ``weight``: :meth:`_head_weight`, for the plain path."""
         rows = hidden.shape[0]
         padded = self._padded(rows)
         head_input = hidden if padded == rows else F.pad(hidden, (0, 0, 0, padded - rows))
-        weight = self._head_weight()
         return (F.linear(head_input, weight) if self.head_gemm is None else self.head_gemm(head_input))[:rows]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
