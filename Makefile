@@ -18,7 +18,7 @@ help:
 	@echo "make test    - install (first run), then run every test that needs no GPU"
 	@echo "make gen     - regenerate the protobuf/gRPC code from protos/"
 	@echo "make docs    - regenerate docs/configuration.md from the settings dataclasses"
-	@echo "make native  - build the C attention kernels of the CPU path for this machine"
+	@echo "make native  - build the C attention kernels of the CPU path and compile the scheduler core (mypyc)"
 	@echo "make clean   - remove the virtual environment and generated code"
 	@echo "make gpu-check     - on a CUDA machine: kernels, model parity, kernel speed, throughput, stack (< 8 min, H200)"
 	@echo "make gpu-check-dry - the same check on this CPU with tiny shapes (Triton's interpreter)"
@@ -46,8 +46,11 @@ gen: $(STAMP)
 
 # The CPU attention kernels (paged_kernels/csrc/, C + OpenMP) for this machine, cached under
 # ~/.cache/pagedserve/kernels; without a C compiler it says so and the torch reference is used.
+# Then the scheduler core compiled by mypyc (~15 s, cached under ~/.cache/pagedserve/core per source
+# digest; scheduler_service/core/compiled.py): without a compiler the core runs as Python.
 native: $(STAMP)
 	$(PY) -m paged_kernels.native
+	$(PY) -m scheduler_service.compile_core
 
 # kubectl renders deploy/k8s in `make test` (tests/deploy; its built-in kustomize, no cluster needed).
 # Debian's apt has it where a Kubernetes apt source is configured (pkgs.k8s.io); stock Debian 12 has

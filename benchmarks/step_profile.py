@@ -102,6 +102,20 @@ def _patched(targets: list[tuple[Any, str, Callable[..., Any]]]) -> Iterator[Non
                 delattr(obj, attr)
 
 
+class _TimedScheduler:
+    """The engine's scheduler with its two per-step calls timed, everything else passed through. A
+    stand-in rather than patched methods: the compiled core's objects take no instance attributes
+    (``scheduler_service.core.compiled``)."""
+
+    def __init__(self, scheduler: Any, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> None:
+        self._scheduler = scheduler
+        self.schedule = wrap("scheduler: schedule()", scheduler.schedule)
+        self.update_from_output = wrap("scheduler: update_from_output()", scheduler.update_from_output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scheduler, name)
+
+
 @contextmanager
 def install(llm: Any) -> Iterator[StepProfile]:
     """Profile ``llm`` (a ``pagedserve.LLM``) inside the block; yields the accumulating profile."""
@@ -114,8 +128,7 @@ def install(llm: Any) -> Iterator[StepProfile]:
     profile = StepProfile(sync)
     w = profile.wrap
     targets: list[tuple[Any, str, Callable[..., Any]]] = [
-        (scheduler, "schedule", w("scheduler: schedule()", scheduler.schedule)),
-        (scheduler, "update_from_output", w("scheduler: update_from_output()", scheduler.update_from_output)),
+        (llm, "scheduler", _TimedScheduler(scheduler, w)),
         (runner, "execute_model", w("worker: execute_model glue", runner.execute_model)),
         (runner, "_update_states", w("worker: batch diff (_update_states)", runner._update_states)),
         (runner, "_prepare_inputs", w("worker: input staging (_prepare_inputs)", runner._prepare_inputs)),

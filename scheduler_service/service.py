@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 from redis.exceptions import RedisError
 
+from scheduler_service.core import compiled
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.engine import WorkerEngine
@@ -146,9 +147,9 @@ class SchedulerApp:
         ]
         token = bool(s.internal_token)
         served = describe_link(s.tls if s.tls_cert_file else None, token=token)  # the admin server's side
-        log.info("scheduler %s on %s:%d (%s), workers: %s (%s); takes over requests idle for %.1fs, at most %d times",
-                 s.consumer, s.host, self.port, served, ", ".join(s.workers) or "from the Redis registry",
-                 describe_link(s.tls, token=token), s.reclaim_idle_s, s.max_retries)
+        log.info("scheduler %s on %s:%d (%s), workers: %s (%s); takes over requests idle for %.1fs, at most %d times; "
+                 "core: %s", s.consumer, s.host, self.port, served, ", ".join(s.workers) or "from the Redis registry",
+                 describe_link(s.tls, token=token), s.reclaim_idle_s, s.max_retries, compiled.describe())
 
     async def wait_for_workers(self, n: int = 1, timeout_s: float = 60.0) -> None:
         """Return once ``n`` workers are connected (tests and `pagedserve serve` use it)."""

@@ -1,4 +1,9 @@
-"""The scheduler core: pure Python, standard library only (a test enforces it)."""
+"""The scheduler core: pure Python, standard library only (a test enforces it); compiled by mypyc
+where ``make install`` could (``compiled``: the build of these sources runs when there is one)."""
+
+from scheduler_service.core import compiled
+
+compiled.activate(__path__)  # before any module of the core is imported
 
 from scheduler_service.core.block_pool import BlockPool
 from scheduler_service.core.kv_cache_manager import KVCacheManager

@@ -105,7 +105,7 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_decode_slots(self, requests: Sequence[Request], with_drafts: bool = False,
-                              draft_reserve: int = 0) -> list[list[int]]:
+                              draft_reserve: int = 0) -> list[Sequence[int]]:
         """``allocate_slots(request, 1)`` for each of the leading run of ``requests`` that are
         decoding (one token left to compute, their block table held) and that the pool can serve:
         the hot path of a decoding batch, where the last block usually has room and no block fills.
@@ -117,7 +117,7 @@ class KVCacheManager:
         long as that run: the first request not decoding, or not served, and those after it got
         nothing. A request without drafts whose token starts a block takes it here, in line:
         what ``allocate_slots(request, 1)`` does for it, without that call's general path."""
-        new_block_ids: list[list[int]] = []
+        new_block_ids: list[Sequence[int]] = []
         add = new_block_ids.append
         bs = self.block_size
         tables = self.req_to_blocks

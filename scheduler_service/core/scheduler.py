@@ -393,8 +393,8 @@ class Scheduler:
         sampled = model_runner_output.sampled_token_ids
         spec = scheduler_output.scheduled_spec_decode_tokens
         continuation, own = scheduler_output.continuation, scheduler_output.num_own_drafts
-        for request in self._drafted.values():  # drafts for token ids this step may change
-            request.spec_token_ids = []
+        for stale in self._drafted.values():  # drafts for token ids this step may change
+            stale.spec_token_ids = []
         drafted: dict[str, Request] = {}
         self._drafted = drafted
         logprobs = model_runner_output.logprobs
@@ -525,10 +525,13 @@ class Scheduler:
     def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs] | None:
         """The prompt logprobs the steps computed, handed out with the first output token (None,
         with a warning, when the worker returned some of them only: a runner that computes none)."""
-        entries, request.prompt_logprobs = request.prompt_logprobs[1:], None
-        if any(entry is None for entry in entries):
+        computed = request.prompt_logprobs
+        assert computed is not None  # the caller's test
+        request.prompt_logprobs = None
+        entries = [entry for entry in computed[1:] if entry is not None]
+        if len(entries) != len(computed) - 1:
             log.warning("request %s: the worker returned %d of %d prompt logprobs; none are sent",
-                        request.request_id, sum(entry is not None for entry in entries), len(entries))
+                        request.request_id, len(entries), len(computed) - 1)
             return None
         return entries
 

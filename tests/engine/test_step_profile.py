@@ -32,6 +32,7 @@ def test_every_category_is_timed_and_the_engine_is_restored(tiny_llama, backend,
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(prompts, params)]
 
+    scheduler = llm.scheduler
     with step_profile.install(llm) as profile:
         got = [o.token_ids for o in llm.generate(prompts, params)]
     table = step_profile.report(profile, total_s=sum(profile.seconds.values()) * 1.1, output_tokens=18)
@@ -46,5 +47,6 @@ def test_every_category_is_timed_and_the_engine_is_restored(tiny_llama, backend,
     if backend == "cpu":  # prefill chunks and decode rows, each timed on its own
         assert {"attention prefill (cpu: C kernel)", "attention decode (cpu: C kernel)"} <= called
     assert "| linear layers (GEMM)" in capsys.readouterr().out
-    # the wrappers are gone: the instance attributes that shadowed the methods were removed
-    assert "schedule" not in vars(llm.scheduler) and "execute_model" not in vars(llm.runner)
+    # the wrappers are gone: the engine has its own scheduler back, and the instance attributes
+    # that shadowed the runner's methods were removed
+    assert llm.scheduler is scheduler and "execute_model" not in vars(llm.runner)
