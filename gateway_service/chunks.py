@@ -1,21 +1,25 @@
 """A request's output records -> the chunks its reader is sent: detokenized incrementally, stop
-strings applied, repeats after a failover dropped, tokens below ``resume_from_index`` not sent
-again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
+strings applied, repeats after a failover dropped, records that come early held back until the
+ones before them came, tokens below ``resume_from_index`` not sent again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
 the token ids but adds no text unless ``include_stop_str`` (``OutputText``'s rule, as in vLLM).
 Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 
 from gateway_service.messages import GenerateChunk
 from gateway_service.text import OutputText
 from servicekit.contract.api import Usage
 from servicekit.contract.errors import error_for_code
+from servicekit.contract.records import OutputRecord
 from servicekit.contract.sampling_params import SamplingParams
 from servicekit.contract.step import FinishReason
 from servicekit.proto.queue import output_record_from_bytes
+
+log = logging.getLogger(__name__)
 
 
 class ChunkAssembler:
@@ -32,6 +36,7 @@ class ChunkAssembler:
                                 include_stops=include_stop_str)
         self._start = resume_from_index or 0  # tokens below it were delivered before: not sent again
         self._next_index = 0  # every record token below it was seen (repeats after failover are dropped)
+        self._early: list[OutputRecord] = []  # records that start past _next_index: see _in_order
         self._num_cached = 0
         self._num_prompt = len(prompt_ids)
         self._prompt_ids = prompt_ids
@@ -49,8 +54,7 @@ class ChunkAssembler:
                               num_prompt_tokens=self._num_prompt)
         text: list[str] = []
         finish: FinishReason | None = None
-        for data in records:
-            record = output_record_from_bytes(data)
+        for record in self._in_order(records):
             if record.error_message:  # the scheduler refused or lost it, and says with which code
                 raise error_for_code(record.error_code, f"request {self._request_id}: {record.error_message}",
                                      field=record.error_field)
@@ -95,6 +99,47 @@ class ChunkAssembler:
             self.done = True
             return chunk
         return chunk if chunk.token_ids or chunk.text else None
+
+    @property
+    def waiting(self) -> bool:
+        """Whether records wait for the ones before them (see :meth:`_in_order`)."""
+        return bool(self._early)
+
+    def skip_gap(self) -> None:
+        """Give up on the indices the waiting records lack: the next ``feed`` takes them as if
+        those indices had come (a record Redis lost that no scheduler writes again). The
+        caller's last resort, after waiting a while."""
+        if self._early:
+            first = min(r.first_index for r in self._early)
+            log.warning("request %s: output indices %d..%d never came; continuing after them",
+                        self._request_id, self._next_index, first - 1)
+            self._next_index = first
+
+    def _in_order(self, records: list[bytes]) -> Iterator[OutputRecord]:
+        """The records by index: one whose tokens start past the next index expected waits here
+        until the records before it came, then follows them. Within one scheduler records are
+        published in order; across a takeover they may not arrive so: the old owner's retried
+        publish of a later step (written to a Redis primary that then failed over, it was lost
+        with the index before it) can reach the stream before the new owner, resuming from what
+        Redis kept, writes that index again. Taking the later one at once would skip an index.
+        A record without tokens (a finish or an abort on its own) is never held."""
+        yield from self._ready()
+        for data in records:
+            record = output_record_from_bytes(data)
+            if record.token_ids and record.first_index > self._next_index and not record.error_message:
+                self._early.append(record)
+                continue
+            yield record  # the caller takes it in: _next_index moves on
+            yield from self._ready()
+
+    def _ready(self) -> Iterator[OutputRecord]:
+        """The waiting records whose turn came, in index order."""
+        while self._early:
+            ready = min(self._early, key=lambda r: r.first_index)
+            if ready.first_index > self._next_index:
+                return
+            self._early.remove(ready)
+            yield ready
 
     @property
     def num_tokens(self) -> int:

@@ -69,11 +69,18 @@ def rendered_chat_limit(text_bytes: int, num_turns: int) -> int:
     return text_bytes + num_turns * TEMPLATE_BYTES_PER_TURN + TEMPLATE_BYTES
 
 
+# How long output records that came before the ones they follow wait for them (ChunkAssembler:
+# the catch-up of a request's new scheduler after a Redis failover fills such a gap within steps);
+# then the reader goes on without the missing indices rather than hang.
+GAP_WAIT_S = 10.0
+
+
 class _Reading:
     """One call's reading of an admitted request: its subscription, its chunk assembler, and the
     accounting of what it was sent (tokens charged to the key, metrics, whether it finished)."""
 
-    __slots__ = ("assembler", "finished", "owner", "request_id", "sub", "timer", "tools", "_tokens_per_key")
+    __slots__ = ("assembler", "finished", "gap_timer", "owner", "request_id", "sub", "timer", "tools",
+                 "_tokens_per_key")
 
     def __init__(self, request_id: str, sub: Subscription, assembler: ChunkAssembler, owner: str,
                  tokens_per_key: TokenRateLimits, timer, tools: ToolCallReader | None = None) -> None:
@@ -85,6 +92,7 @@ class _Reading:
         self._tokens_per_key = tokens_per_key
         self.timer = timer
         self.finished = False  # its last chunk was made, or its stream ended with an error of its own
+        self.gap_timer: asyncio.TimerHandle | None = None  # while records wait for earlier ones
 
     async def next_records(self) -> list[bytes]:
         try:
@@ -102,6 +110,11 @@ class _Reading:
         except PagedServeError:
             self.finished = True
             raise
+        if self.assembler.waiting != (self.gap_timer is not None):
+            if self.gap_timer is None:
+                self.gap_timer = asyncio.get_running_loop().call_later(GAP_WAIT_S, self._skip_gap)
+            else:
+                self.close()
         if chunk is None:
             return None
         if self.tools is not None:
@@ -118,6 +131,18 @@ class _Reading:
         if self.timer is not None:
             self.timer.chunk(chunk)
         return chunk
+
+    def _skip_gap(self) -> None:
+        """GAP_WAIT_S passed with records waiting: take them without the indices they lack (an
+        empty delivery wakes the reader, whichever way it reads)."""
+        self.gap_timer = None
+        self.assembler.skip_gap()
+        self.sub.deliver([])
+
+    def close(self) -> None:
+        if self.gap_timer is not None:
+            self.gap_timer.cancel()
+            self.gap_timer = None
 
     def _read_tools(self, chunk: GenerateChunk) -> None:
         """``chunk``'s text as content only; its calls on the last one (finish_reason stays STOP)."""
@@ -421,6 +446,8 @@ class GenerationService:
         finally:
             if watch is not None:
                 watch.cancel()
+            if reading is not None:
+                reading.close()
             self._fanout.unsubscribe(sub)
             if admitted:
                 finished = reading is not None and reading.finished

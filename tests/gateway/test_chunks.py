@@ -55,3 +55,23 @@ def test_include_stop_str_keeps_its_text_and_eos_is_a_stop_token_without_an_id(h
     assert assemble(hf_tokenizer, [([a, b, eos], 0, STOP)], s, skip_special=False) == (before, [a, b, eos], None, STOP)
     # a stop token within the output (not ending it) is text like any other
     assert assemble(hf_tokenizer, [([s, a], 0, LENGTH)], s)[0] == assemble(hf_tokenizer, [([s, a], 0, LENGTH)], 0)[0]
+
+
+def test_a_record_that_comes_before_the_one_it_follows_waits_for_it(hf_tokenizer, ids):
+    """After a takeover the old owner's retried publish of a later index can reach the stream before
+    the new owner writes the index before it again (the first copy lost in a Redis failover): the
+    reader gets every index once, in order, never a gap."""
+    a, b, s, _eos = ids
+    in_order = assemble(hf_tokenizer, [([a], 0, None), ([b], 1, None), ([a], 2, None), ([b], 3, LENGTH)], s)
+    assert in_order[1] == [a, b, a, b]
+    # index 2 early (held back), then the new owner's catch-up from index 1, then the rest
+    assert assemble(hf_tokenizer, [([a], 0, None), ([a], 2, None), ([b, a], 1, None), ([b], 3, LENGTH)], s) == in_order
+    # the last record early: the stream does not end before the index it lacks came
+    assert assemble(hf_tokenizer, [([a], 0, None), ([a, b], 2, LENGTH), ([b], 1, None)], s) == in_order
+    asm = ChunkAssembler("r", hf_tokenizer, [1], SamplingParams(max_tokens=10), resume_from_index=None,
+                         skip_special_tokens=True, on_stop_string=lambda: None)
+    assert asm.feed([engine_output_to_bytes(EngineCoreOutput("r", [a], 0))]).token_ids == [a]
+    assert asm.feed([engine_output_to_bytes(EngineCoreOutput("r", [b], 2, LENGTH))]) is None  # held: no chunk
+    assert not asm.done
+    chunk = asm.feed([engine_output_to_bytes(EngineCoreOutput("r", [b], 1))])
+    assert (chunk.first_index, chunk.token_ids, chunk.finish_reason, asm.done) == (1, [b, b], LENGTH, True)
