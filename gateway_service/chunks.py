@@ -1,7 +1,8 @@
 """A request's output records -> the chunks its reader is sent: detokenized incrementally, stop
 strings applied, repeats after a failover dropped, records that come early held back until the
-ones before them came, tokens below ``resume_from_index`` not sent again. The token that ends a request as a stop token (EOS or a ``stop_token_ids`` entry) stays in
-the token ids but adds no text unless ``include_stop_str`` (``OutputText``'s rule, as in vLLM).
+ones before them came, tokens below ``resume_from_index`` not sent again. The token that ends a
+request as a stop token (EOS or a ``stop_token_ids`` entry) stays in the token ids but adds no text
+unless ``include_stop_str`` (``OutputText``'s rule, as in vLLM).
 Synchronous: the caller brings the records (waiting for them or handed them by the fanout).
 """
 
