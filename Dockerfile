@@ -29,9 +29,10 @@ COPY benchmarks/gpu_wheels.txt ./constraints.txt
 RUN python -m servicekit.proto.gen && pip install -c constraints.txt ".[server]"
 
 # The scheduler core compiled by mypyc into the image (scheduler_service/core/compiled.py: about twice
-# as fast a step plan); mypy is needed for the build only.
+# as fast a step plan); mypy is needed for the build only. The image fails to build without it.
 ENV PAGEDSERVE_CORE_CACHE=/opt/pagedserve/core
-RUN pip install "mypy>=1.18" && python -m scheduler_service.compile_core && pip uninstall -y mypy
+RUN pip install "mypy>=1.18" && python -m scheduler_service.compile_core && pip uninstall -y mypy \
+ && python -c "import scheduler_service.core.compiled as c; assert c.active, 'the scheduler core was not compiled'"
 
 # The default model's GGUF file converted once into the image (servicekit/gguf_cache.py): every
 # container reads the converted folder (tokenizer 3.4 MB, float32 weights 540 MB) instead of parsing

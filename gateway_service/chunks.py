@@ -8,6 +8,7 @@ Synchronous: the caller brings the records (waiting for them or handed them by t
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable, Iterator
 
@@ -37,7 +38,9 @@ class ChunkAssembler:
                                 include_stops=include_stop_str)
         self._start = resume_from_index or 0  # tokens below it were delivered before: not sent again
         self._next_index = 0  # every record token below it was seen (repeats after failover are dropped)
-        self._early: list[OutputRecord] = []  # records that start past _next_index: see _in_order
+        # records that start past _next_index, a heap by (first index, arrival): see _in_order
+        self._early: list[tuple[int, int, OutputRecord]] = []
+        self._num_held = 0
         self._num_cached = 0
         self._num_prompt = len(prompt_ids)
         self._prompt_ids = prompt_ids
@@ -111,7 +114,7 @@ class ChunkAssembler:
         those indices had come (a record Redis lost that no scheduler writes again). The
         caller's last resort, after waiting a while."""
         if self._early:
-            first = min(r.first_index for r in self._early)
+            first = self._early[0][0]
             log.warning("request %s: output indices %d..%d never came; continuing after them",
                         self._request_id, self._next_index, first - 1)
             self._next_index = first
@@ -123,24 +126,24 @@ class ChunkAssembler:
         publish of a later step (written to a Redis primary that then failed over, it was lost
         with the index before it) can reach the stream before the new owner, resuming from what
         Redis kept, writes that index again. Taking the later one at once would skip an index.
-        A record without tokens (a finish or an abort on its own) is never held."""
+        A record without tokens (a finish or an abort on its own) is never held, nor one whose gap
+        lies below ``resume_from_index`` (tokens this reader's client had)."""
         yield from self._ready()
         for data in records:
             record = output_record_from_bytes(data)
-            if record.token_ids and record.first_index > self._next_index and not record.error_message:
-                self._early.append(record)
+            first = record.first_index
+            if record.token_ids and first > self._next_index and first > self._start and not record.error_message:
+                self._num_held += 1
+                heapq.heappush(self._early, (first, self._num_held, record))
                 continue
             yield record  # the caller takes it in: _next_index moves on
             yield from self._ready()
 
     def _ready(self) -> Iterator[OutputRecord]:
         """The waiting records whose turn came, in index order."""
-        while self._early:
-            ready = min(self._early, key=lambda r: r.first_index)
-            if ready.first_index > self._next_index:
-                return
-            self._early.remove(ready)
-            yield ready
+        early = self._early
+        while early and early[0][0] <= self._next_index:
+            yield heapq.heappop(early)[2]
 
     @property
     def num_tokens(self) -> int:

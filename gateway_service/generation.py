@@ -80,7 +80,7 @@ class _Reading:
     accounting of what it was sent (tokens charged to the key, metrics, whether it finished)."""
 
     __slots__ = ("assembler", "finished", "gap_timer", "owner", "request_id", "sub", "timer", "tools",
-                 "_tokens_per_key")
+                 "_gap_at", "_tokens_per_key")
 
     def __init__(self, request_id: str, sub: Subscription, assembler: ChunkAssembler, owner: str,
                  tokens_per_key: TokenRateLimits, timer, tools: ToolCallReader | None = None) -> None:
@@ -93,6 +93,7 @@ class _Reading:
         self.timer = timer
         self.finished = False  # its last chunk was made, or its stream ended with an error of its own
         self.gap_timer: asyncio.TimerHandle | None = None  # while records wait for earlier ones
+        self._gap_at = 0  # the tokens taken in when the timer was set
 
     async def next_records(self) -> list[bytes]:
         try:
@@ -110,11 +111,11 @@ class _Reading:
         except PagedServeError:
             self.finished = True
             raise
-        if self.assembler.waiting != (self.gap_timer is not None):
-            if self.gap_timer is None:
-                self.gap_timer = asyncio.get_running_loop().call_later(GAP_WAIT_S, self._skip_gap)
-            else:
-                self.close()
+        if self.gap_timer is not None and (not self.assembler.waiting or self._gap_at != self.assembler.num_tokens):
+            self.close()  # the gap was filled (or moved on: a later one gets its own wait)
+        if self.assembler.waiting and self.gap_timer is None:
+            self._gap_at = self.assembler.num_tokens
+            self.gap_timer = asyncio.get_running_loop().call_later(GAP_WAIT_S, self._skip_gap)
         if chunk is None:
             return None
         if self.tools is not None:

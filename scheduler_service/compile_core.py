@@ -46,7 +46,7 @@ class CompileError(RuntimeError):
 def build(force: bool = False) -> Path:
     """Compile the core unless the build of its sources on disk exists; return the build folder."""
     target = compiled.build_dir()
-    if target.is_dir() and not force:
+    if compiled.library(target) is not None and not force:
         return target
     try:
         import mypyc  # noqa: F401  (present: the build can run)
@@ -67,8 +67,8 @@ def build(force: bool = False) -> Path:
         missing = [name for name in compiled.MODULES if not any(compiled.module_dir(out).glob(f"{name}.*"))]
         if missing:
             raise CompileError(f"mypyc built no extension for {missing}")
-        if force and target.is_dir():
-            shutil.rmtree(target)
+        if target.is_dir():  # --force, or a folder without its library (half of a build)
+            shutil.rmtree(target, ignore_errors=True)
         try:
             os.replace(out, target)  # atomic: an import sees the whole build or none
         except OSError:

@@ -2,15 +2,16 @@
 
 The core's modules are plain Python, standard library only. ``make install`` also compiles them with
 mypyc (``python -m scheduler_service.compile_core``) into a folder named by a digest of their
-sources and of this interpreter's extension ABI, under ``$PAGEDSERVE_CORE_CACHE`` (default
+sources, the contract's and this interpreter's extension ABI, under ``$PAGEDSERVE_CORE_CACHE`` (default
 ``~/.cache/pagedserve/core``). The compiled modules do what the source does, about twice as fast
 (``benchmarks/scheduler_overhead.py``: a step of 1,024 decoding requests ~1.1 → ~0.6 ms).
 
 The package's ``__init__`` calls :func:`activate` before it imports any module of the core: when the
-build for the digest of the sources on disk exists, its folder goes first on the package's
-``__path__``, so ``import scheduler_service.core.scheduler`` loads the extension module. A source
-edited since the build changes the digest: a stale build is never loaded, the source runs until the
-next ``make install``. ``PAGEDSERVE_COMPILED_CORE=0`` keeps the source (a debugger, a profiler
+build for the digest of the sources on disk (the contract they are compiled against included)
+exists, its folder goes first on the package's ``__path__``, so ``import
+scheduler_service.core.scheduler`` loads the extension module. A source edited since the build
+changes the digest: a stale build is never loaded, the source runs until the next ``make
+install``. ``PAGEDSERVE_COMPILED_CORE=0`` keeps the source (a debugger, a profiler
 that patches methods, a test of the source itself).
 """
 
@@ -19,12 +20,18 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import sys
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 PACKAGE = "scheduler_service.core"
 SOURCE_DIR = Path(__file__).resolve().parent
+# The contract the core is compiled against: mypyc builds its annotations (list[int], a dataclass's
+# fields) into the compiled code's type checks, so a change there needs a new build too.
+CONTRACT_DIR = SOURCE_DIR.parents[1] / "servicekit" / "contract"
 # the modules compiled, in dependency order; the package's __init__ and this module stay Python
 MODULES = ("kv_cache_utils", "request", "block_pool", "kv_cache_manager", "waiting_queue", "scheduler")
 # mypyc's shared library for the group: a top-level extension module of this name
@@ -49,11 +56,13 @@ def cache_root() -> Path:
 
 
 def digest() -> str:
-    """Of the compiled modules' sources and this interpreter's extension suffix (its ABI)."""
+    """Of the compiled modules' sources, the contract's (``CONTRACT_DIR``) and this interpreter's
+    extension suffix (its ABI)."""
     h = hashlib.sha256(importlib.machinery.EXTENSION_SUFFIXES[0].encode())
-    for name in MODULES:
-        h.update(b"\0" + name.encode() + b"\0")
-        h.update((SOURCE_DIR / f"{name}.py").read_bytes())
+    sources = [SOURCE_DIR / f"{name}.py" for name in MODULES] + sorted(CONTRACT_DIR.glob("*.py"))
+    for path in sources:
+        h.update(b"\0" + path.name.encode() + b"\0")
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -67,29 +76,43 @@ def module_dir(root: Path) -> Path:
     return root.joinpath(*PACKAGE.split("."))
 
 
+def library(root: Path) -> Path | None:
+    """mypyc's shared library in a build folder, None when there is none (no build, or half of one)."""
+    if not root.is_dir():
+        return None
+    return next(root.glob(f"{GROUP}__mypyc*{importlib.machinery.EXTENSION_SUFFIXES[0]}"), None)
+
+
 def activate(package_path: list[str]) -> Path | None:
     """Put the build of these sources, if there is one, first on ``package_path`` (the package's
-    ``__path__``) and load its shared library; returns its folder, or None (the source runs)."""
+    ``__path__``) and load its shared library; returns its folder, or None (the source runs). A
+    build that cannot be loaded (made for another system's libraries, damaged) leaves the source,
+    with a warning."""
     global active
     if active is not None or not enabled():
         return active
     try:
         root = build_dir()
-    except OSError:
-        return None  # a source unreadable here: the import of it says why
-    library = next(root.glob(f"{GROUP}__mypyc*{importlib.machinery.EXTENSION_SUFFIXES[0]}"), None) \
-        if root.is_dir() else None
-    if library is None:
+        found = library(root)
+    except (OSError, RuntimeError):  # a source unreadable (its import says why), no home folder
+        return None
+    if found is None:
         return None
     # The modules' extension files import the group's library by its top-level name: load it from the
     # build folder under that name (sys.path stays as it is).
-    name = library.name.split(".")[0]
+    name = found.name.split(".")[0]
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, library)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec = importlib.util.spec_from_file_location(name, found)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        except (ImportError, OSError) as exc:
+            sys.modules.pop(name, None)
+            log.warning("the scheduler core's build %s does not load (%s): running its source; "
+                        "python -m scheduler_service.compile_core --force builds it again", root, exc)
+            return None
     package_path.insert(0, str(module_dir(root)))
     active = root
     return root

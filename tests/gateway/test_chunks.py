@@ -75,3 +75,10 @@ def test_a_record_that_comes_before_the_one_it_follows_waits_for_it(hf_tokenizer
     assert not asm.done
     chunk = asm.feed([engine_output_to_bytes(EngineCoreOutput("r", [b], 1))])
     assert (chunk.first_index, chunk.token_ids, chunk.finish_reason, asm.done) == (1, [b, b], LENGTH, True)
+
+
+def test_a_gap_below_where_a_reader_resumes_holds_nothing(hf_tokenizer, ids):
+    """Indices its client had: a record lost among them (no scheduler writes it again) does not stop
+    the resumed reader."""
+    a, b, s, _eos = ids
+    assert assemble(hf_tokenizer, [([a], 0, None), ([b], 2, None), ([a, b], 3, LENGTH)], s, resume=2)[1] == [b, a, b]

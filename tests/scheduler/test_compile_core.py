@@ -3,6 +3,7 @@ cannot (no mypy, no compiler, mypyc refusing) says why without failing the insta
 
 from __future__ import annotations
 
+import importlib.machinery
 import subprocess
 import sys
 
@@ -40,7 +41,14 @@ def test_a_failed_build_leaves_nothing_behind(empty_cache, monkeypatch, capsys):
     assert not compiled.build_dir().exists()
 
 
-def test_an_existing_build_of_these_sources_is_kept(empty_cache, monkeypatch):
-    compiled.build_dir().mkdir(parents=True)
-    monkeypatch.setattr(compile_core.subprocess, "run", lambda *a, **k: pytest.fail("built again"))
-    assert compile_core.build() == compiled.build_dir()
+def test_an_existing_build_of_these_sources_is_kept_half_of_one_is_not(empty_cache, monkeypatch):
+    root = compiled.build_dir()
+    root.mkdir(parents=True)
+    calls = []
+    monkeypatch.setattr(compile_core.subprocess, "run",
+                        lambda *a, **k: calls.append(a) or subprocess.CompletedProcess(a, 1, "", "refused"))
+    with pytest.raises(compile_core.CompileError):  # a folder without mypyc's library: built again
+        compile_core.build()
+    assert len(calls) == 1
+    (root / f"{compiled.GROUP}__mypyc{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    assert compile_core.build() == root and len(calls) == 1  # kept

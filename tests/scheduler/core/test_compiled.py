@@ -96,3 +96,32 @@ def test_the_source_passes_the_core_tests_too():
                           env={**os.environ, compiled.ENV_ENABLED: "0"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout
+
+
+def test_the_digest_covers_the_contract_the_core_is_compiled_against(tmp_path, monkeypatch):
+    """mypyc builds the contract's annotations into the compiled checks: a contract change needs a
+    new build, never the old one."""
+    before = compiled.digest()
+    copy = tmp_path / "contract"
+    shutil.copytree(compiled.CONTRACT_DIR, copy)
+    monkeypatch.setattr(compiled, "CONTRACT_DIR", copy)
+    assert compiled.digest() == before
+    step = copy / "step.py"
+    step.write_text(step.read_text() + "\n# changed\n")
+    assert compiled.digest() != before
+
+
+def test_a_build_that_does_not_load_leaves_the_source(tmp_path):
+    """A build made for another system's libraries, or damaged: the source runs, with a warning."""
+    code = ("import os, pathlib, importlib.machinery\n"
+            "import scheduler_service.core.compiled as c\n"
+            "root = c.build_dir()\n"
+            "root.mkdir(parents=True)\n"
+            "(root / (c.GROUP + '__mypyc' + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b'not a library')\n")
+    # the probe runs with the build disabled so that it only computes where the build goes
+    _run(code, PAGEDSERVE_CORE_CACHE=str(tmp_path), PAGEDSERVE_COMPILED_CORE="0")
+    done = subprocess.run([sys.executable, "-c", FORM], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PAGEDSERVE_CORE_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("False True")
+    assert "does not load" in done.stderr
