@@ -52,7 +52,7 @@ def build(force: bool = False) -> Path:
         import mypyc  # noqa: F401  (present: the build can run)
     except ImportError:
         raise CompileError("mypy is not installed (pip install mypy): the core runs as Python") from None
-    key = compiled.digest()
+    key = target.name  # the digest of the sources compiled: checked again after the build
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
