@@ -316,12 +316,9 @@ class Scheduler:
         rewritten later, as in any step with drafts). ``num_own_drafts`` is the longest proposal
         this worker has made, within the token budget.
 
-        One whose token sampled in ``in_flight`` is its last (``max_tokens``) is left out: it is
-        finished when the plan after this one is made. One that only may end in ``in_flight`` (if
-        its drafts are accepted, or by a stop token) decodes on: leaving it out would make the next
-        plan wait for the results, since it would not be in the step in flight then. A request
-        that ends in ``in_flight`` computes a token or a few too many: ``update_from_output`` drops
-        them (it is finished by then) and the next plan lists it in ``finished_req_ids``. Blocks this plan
+        One that may reach ``max_tokens`` in ``in_flight`` is left out. A request that stops in
+        ``in_flight`` computes a token or a few too many: ``update_from_output`` drops them (it is
+        finished by then) and the next plan lists it in ``finished_req_ids``. Blocks this plan
         allocates hold tokens not known here, so they enter the prefix cache only once those
         tokens are appended (``cache_blocks`` covers blocks with known hashes only). Too few free
         blocks returns None, allocating nothing (every block a request holds must reach the
@@ -357,8 +354,8 @@ class Scheduler:
                     # Not in the step (budget), or a partial prefill chunk: schedule() plans it.
                     return None
                 gained = 1 + drafts
-            if request.num_output_tokens + 1 >= request.max_tokens:
-                continue  # the token it samples in flight is its last: it is finished by the next plan
+            if request.num_output_tokens + gained >= request.max_tokens:
+                continue  # its tokens in flight may be its last
             # slots up to its last token after ``in_flight`` and the drafts after that, within
             # the most tokens it can ever hold
             need = min(num_tokens + gained + own, request.num_prompt_tokens + request.max_tokens) \

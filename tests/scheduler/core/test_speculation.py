@@ -13,7 +13,7 @@ import zlib
 
 import pytest
 
-from scheduler_service.core import FinishReason, ModelRunnerOutput, SamplingParams
+from scheduler_service.core import ModelRunnerOutput, SamplingParams
 
 from .helpers import FakeWorker, make_request, make_scheduler, step
 from .test_simulation import simulate
@@ -185,33 +185,6 @@ def test_a_continuation_takes_no_more_than_the_drafts_it_allowed():
     s.update_from_output(plan, ModelRunnerOutput(sampled_token_ids={rid: [5]}))
     [o] = s.update_from_output(following, ModelRunnerOutput(sampled_token_ids={rid: [1, 2, 3, 4, 5]}))
     assert o.new_token_ids == [1, 2, 3]  # its last token's sample and two drafts' at most
-
-
-@pytest.mark.parametrize("all_accepted", [True, False])
-def test_a_request_its_drafts_may_end_decodes_on_in_the_continuation(all_accepted):
-    """With its drafts in flight a request may reach max_tokens, or may not: it stays in the
-    continuation (left out, it would make the plan after it wait for the results). Ended in
-    flight, its continuation's token is dropped; not ended, the next plan is made ahead too."""
-    s = make_scheduler(block_size=4)
-    request = make_request(prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6], max_tokens=5, ignore_eos=True)
-    rid = request.request_id
-    s.add_request(request)
-    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={rid: [7]}, spec_token_ids={rid: [5, 6, 7]}))
-    plan = s.schedule()
-    assert plan.scheduled_spec_decode_tokens == {rid: [5, 6, 7]}  # 1 output + 1 + 3 drafts = max_tokens
-    following = s.schedule_continuation(plan)
-    assert following is not None and following.num_scheduled_tokens == {rid: 1}
-    # slots for every token it can still hold: 8 prompt + 5 outputs
-    assert len(s.kv_cache_manager.get_block_ids(rid)) * 4 >= 8 + 5
-    [o] = s.update_from_output(plan, ModelRunnerOutput(sampled_token_ids={rid: [5, 6, 7, 5] if all_accepted else [5]}))
-    if all_accepted:
-        assert o.finish_reason == FinishReason.LENGTH and rid not in s.requests
-        assert s.update_from_output(following, ModelRunnerOutput(sampled_token_ids={rid: [9]})) == []
-        assert rid in s.schedule().finished_req_ids
-    else:
-        assert o.finish_reason is None and request.num_output_tokens == 2
-        after = s.schedule_continuation(following)
-        assert after is not None and after.num_scheduled_tokens == {rid: 1}
 
 
 def test_max_drafts_is_the_one_rule():
