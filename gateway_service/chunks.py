@@ -128,16 +128,19 @@ class ChunkAssembler:
         Redis kept, writes that index again. Taking the later one at once would skip an index.
         A record without tokens (a finish or an abort on its own) is never held, nor one whose gap
         lies below ``resume_from_index`` (tokens this reader's client had)."""
-        yield from self._ready()
+        early = self._early
+        if early:
+            yield from self._ready()
         for data in records:
             record = output_record_from_bytes(data)
             first = record.first_index
             if record.token_ids and first > self._next_index and first > self._start and not record.error_message:
                 self._num_held += 1
-                heapq.heappush(self._early, (first, self._num_held, record))
+                heapq.heappush(early, (first, self._num_held, record))
                 continue
             yield record  # the caller takes it in: _next_index moves on
-            yield from self._ready()
+            if early:  # almost never: no generator per record on the usual path
+                yield from self._ready()
 
     def _ready(self) -> Iterator[OutputRecord]:
         """The waiting records whose turn came, in index order."""

@@ -111,9 +111,10 @@ class _Reading:
         except PagedServeError:
             self.finished = True
             raise
-        if self.gap_timer is not None and (not self.assembler.waiting or self._gap_at != self.assembler.num_tokens):
+        waiting = self.assembler.waiting
+        if self.gap_timer is not None and (not waiting or self._gap_at != self.assembler.num_tokens):
             self.close()  # the gap was filled (or moved on: a later one gets its own wait)
-        if self.assembler.waiting and self.gap_timer is None:
+        if waiting and self.gap_timer is None:
             self._gap_at = self.assembler.num_tokens
             self.gap_timer = asyncio.get_running_loop().call_later(GAP_WAIT_S, self._skip_gap)
         if chunk is None:
