@@ -11,8 +11,12 @@ quotes.
 - ``prefill``: one sequence's prefill chunk (64, 288, 512 and 2,048 new tokens, no cached context,
   head-major bf16 and fp32 caches on shuffled blocks) through the C kernel, a row per token
   (``paged_kernels.cpu._native_prefill``), against the gather + SDPA it replaced (``paged_kernels.cpu._prefill``);
-  then, on a CPU with AMX, a step's 32 chunks after 4 shared cached prefixes in one tile-kernel call
-  against a call per chunk.
+  then, on a CPU with tiles (AMX, or emulated), a step's 32 chunks after 4 shared cached prefixes in
+  one tile-kernel call against a call per chunk.
+- ``tiles``: bf16 attention on the tiles (AMX, or emulated with AVX512-BF16: ``csrc/amx_tiles.h``)
+  against the row kernel, in one layer: a prefill chunk of 8-512 tokens with and without a cached
+  context of 1,024, and decode rows sharing cached prefixes (64 rows over 4 prefixes of 1,024, 16
+  and 4 over one) — the figures behind ``paged_kernels.cpu``'s thresholds.
 - ``gemm``: a step's 120 decoder-layer GEMMs of SmolLM2-135M (qkv, o, gate/up, down; 30 layers'
   weights, cycled from memory as a step reads them) at 1-2,048 rows through
   ``paged_kernels.small_gemm`` (AMX tiles) against oneDNN on its packed weights
@@ -231,10 +235,10 @@ def prefill(rounds: int) -> None:
 
 def shared_prefix_step(rounds: int) -> None:
     """A step that prefills 32 chunks of 64 tokens after 4 cached prefixes of 1,024 tokens (8 chunks
-    each, sharing the prefix's blocks), bf16 on AMX tiles: one call for the step against one call
+    each, sharing the prefix's blocks), bf16 on tiles: one call for the step against one call
     per chunk (each lays out its whole context for the tiles)."""
     if not cpu.amx_prefill_available(HEAD_DIM):
-        print("shared-prefix prefill step: no AMX tile kernel on this machine")
+        print("shared-prefix prefill step: no tile kernel on this machine")
         return
     gen = torch.Generator().manual_seed(1)
     chunks, new, prefix = 32, 64, 1024
@@ -266,8 +270,57 @@ def shared_prefix_step(rounds: int) -> None:
         for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
             times[name].append(_timed(fn, 4))
     print(f"shared-prefix prefill step (one layer: {chunks} chunks of {new} tokens after 4 cached prefixes of "
-          f"{prefix}), bf16 on AMX tiles: " + ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms"
+          f"{prefix}), bf16 on tiles: " + ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms"
                                                         for name, t in times.items()))
+
+
+def _tile_cases(rounds: int, cases: dict) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(rounds):
+        for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
+            times[name].append(_timed(fn, 10))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def tiles(rounds: int) -> None:
+    """bf16 attention on the tiles against the row kernel (``paged_kernels.cpu``'s thresholds)."""
+    if not cpu.amx_prefill_available(HEAD_DIM):
+        print("tiles: no tile kernel (AMX-BF16 or AVX512-BF16) on this machine")
+        return
+    gen = torch.Generator().manual_seed(2)
+    blocks = 8192
+    k, v = (torch.randn(KV_HEADS, blocks, BLOCK, HEAD_DIM, generator=gen).to(torch.bfloat16).permute(1, 2, 0, 3)
+            for _ in range(2))
+    scale = HEAD_DIM ** -0.5
+    fn = cpu._function(torch.bfloat16)
+    kind = "emulated with AVX512-BF16" if cpu.tiles_emulated() else "AMX"
+    print(f"bf16 attention on tiles ({kind}) against the row kernel, one layer, {torch.get_num_threads()} threads, "
+          f"medians of {rounds} rounds:")
+    for q_len, ctx in [(8, 0), (16, 0), (64, 0), (256, 0), (512, 0), (8, 1024), (16, 1024), (64, 1024)]:
+        seq_len = ctx + q_len
+        table = torch.randperm(blocks, generator=gen)[: -(-seq_len // BLOCK)].to(torch.int32)
+        query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        out = torch.empty_like(query)
+        lengths = torch.arange(ctx + 1, seq_len + 1, dtype=torch.int32)
+        t = _tile_cases(rounds, {
+            "rows": lambda: cpu._run(fn, query, k, v, table, 0, lengths, scale, out),
+            "tiles": lambda: cpu._amx_prefill_batch(query, k, v, table[None], [0], [0], [q_len], [seq_len], scale, out),
+        })
+        print(f"  prefill chunk of {q_len:>3} tokens after {ctx:>4} cached: rows {t['rows'] * 1e3:.3f} ms, "
+              f"tiles {t['tiles'] * 1e3:.3f} ms ({t['rows'] / t['tiles']:.2f}x)")
+    for num_seqs, prefixes in [(64, 4), (16, 1), (4, 1)]:
+        prefix = 1024
+        shared = torch.randperm(blocks, generator=gen)[: prefixes * prefix // BLOCK].view(prefixes, -1)
+        tails = torch.randperm(blocks, generator=gen)[: num_seqs * 4].view(num_seqs, 4)
+        tables = torch.cat([shared[torch.arange(num_seqs) % prefixes], tails], 1).to(torch.int32).contiguous()
+        lens = torch.full((num_seqs,), prefix + 40, dtype=torch.int32)
+        query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        out = torch.empty_like(query)
+        t = _tile_cases(rounds, {
+            name: functools.partial(cpu._run, fn, query, k, v, tables, tables.stride(0), lens, scale, out, tiles=on)
+            for name, on in (("rows", False), ("tiles", True))})
+        print(f"  {num_seqs:>2} decode rows over {prefixes} shared prefix(es) of {prefix}: rows {t['rows'] * 1e3:.3f} ms, "
+              f"tiles {t['tiles'] * 1e3:.3f} ms ({t['rows'] / t['tiles']:.2f}x)")
 
 
 def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.Generator,
@@ -357,7 +410,7 @@ def gemm(rounds: int, layers: int = 30) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["decode", "prefill", "gemm", "fused", "all"], default="all")
+    parser.add_argument("--part", choices=["decode", "prefill", "tiles", "gemm", "fused", "all"], default="all")
     parser.add_argument("--against", metavar="REV", help="also time the decode kernel's source at this git revision")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
@@ -372,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("prefill", "all"):
         prefill(args.rounds)
         shared_prefix_step(args.rounds)
+    if args.part in ("tiles", "all"):
+        tiles(args.rounds)
     if args.part in ("gemm", "all") and small_gemm.available():
         gemm(args.rounds, args.layers)
     if args.part in ("fused", "all"):

@@ -24,7 +24,10 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   keys a step; 2-2.5x SDPA's CPU kernel on chunks of 128-512 tokens), all of a step's in one call
   that packs a cached prefix they share once for all of them, or, where Linux refuses the
   tiles, chunks past ``_SDPA_MIN_PAIRS`` go to SDPA, whose tile GEMMs are 2-4x faster there than a
-  row per token. Elsewhere (no compiler, no AVX-512, other head sizes) a
+  row per token. On a CPU with AVX512-BF16 but no AMX the same kernel runs on emulated tiles
+  (``csrc/amx_tiles.h``: each tile product as AVX512-BF16 dot products), for chunks of at least
+  ``_EMULATED_MIN_ROWS`` tokens and ``_EMULATED_MIN_PAIRS`` (token, position) pairs: 1.5-1.7x the
+  row kernel there. Decode rows sharing a cached prefix take the tiles (real or emulated) too. Elsewhere (no compiler, no AVX-512, other head sizes) a
   chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk
   has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32).
 
@@ -117,11 +120,15 @@ def _native_decode(
         _decode(query, key_cache, value_cache, block_tables, seq_lens, lens, scale, out)
         return
     tables = block_tables.to(torch.int32).contiguous()
-    # bf16 rows sharing a cached prefix attend it on AMX tiles together (within bf16 rounding of each
-    # alone); bf16 results already vary with the batch's GEMM shapes, fp32 ones stay bit-exact.
-    tiles = query.dtype == torch.bfloat16 and native_bf16() == "amx_bf16"
     _run(fn, query, key_cache, value_cache, tables, tables.stride(0), seq_lens.to(torch.int32).contiguous(), scale, out,
-         tiles=tiles)
+         tiles=_shares_on_tiles(query.dtype))
+
+
+def _shares_on_tiles(dtype: torch.dtype) -> bool:
+    """Whether decode rows of ``dtype`` sharing a cached prefix attend it on tiles together (AMX, or
+    emulated with AVX512-BF16; within bf16 rounding of each alone): bf16 only. bf16 results already
+    vary with the batch's GEMM shapes; fp32 ones stay bit-exact."""
+    return dtype == torch.bfloat16 and native_bf16() is not None
 
 
 def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -129,7 +136,8 @@ def _run(fn: ctypes._CFuncPtr, query: torch.Tensor, key_cache: torch.Tensor, val
          tiles: bool = False) -> None:
     """One call of the C kernel: row i of ``query`` attends to the first ``lengths[i]`` positions of
     the block table at ``tables`` + i * ``table_stride`` (int32, ``lengths`` too); writes ``out``.
-    ``tiles``: bf16 rows that share a cached prefix run it on AMX tiles where the CPU allows."""
+    ``tiles``: bf16 rows that share a cached prefix run it on tiles (AMX, or emulated with
+    AVX512-BF16) where the CPU allows."""
     target = out if out.dtype == query.dtype and out.stride(-1) == 1 else torch.empty_like(query)
     num_rows, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -163,10 +171,38 @@ _AMX_ARGTYPES = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
 _AMX_PACKED_BUDGET = 128 << 20
 
 
+# With the tiles emulated (AVX512-BF16 without AMX: csrc/amx_tiles.h) a 16-row tile costs its full
+# work whatever rows it holds, and a call packs its blocks first: a chunk takes the tiles from 16 rows
+# and this many (query row, key position) pairs (timed against the row kernel on a 2-core AMD EPYC
+# with AVX512-BF16, one layer of SmolLM2-135M: 256 x 256 1.48x, 512 x 512 1.67x, 64 rows over 1,088
+# positions 1.61x, 16 over 1,040 1.58x, 64 x 64 even, 16 x 16 0.57x, 8 over 1,032 0.80x).
+_EMULATED_MIN_ROWS = 16
+_EMULATED_MIN_PAIRS = 8192
+
+
+def tiles_emulated() -> bool:
+    """Whether the prefill tile kernel runs on emulated tiles here (AVX512-BF16, no AMX)."""
+    fn = native.function(_AMX_KERNEL, "amx_prefill_emulated", [], ctypes.c_int)
+    return fn is not None and bool(fn())
+
+
+def _tile_min_rows() -> int:
+    """The fewest rows of a chunk that may take the tiles; shorter chunks go as rows."""
+    return _EMULATED_MIN_ROWS if tiles_emulated() else _AMX_MIN_ROWS
+
+
+def _takes_tiles(q_len: int, seq_len: int) -> bool:
+    """Whether a prefill chunk of ``q_len`` rows over ``seq_len`` positions is worth the tiles."""
+    if tiles_emulated():
+        return q_len >= _EMULATED_MIN_ROWS and q_len * seq_len >= _EMULATED_MIN_PAIRS
+    return q_len >= _AMX_MIN_ROWS
+
+
 def amx_prefill_available(head_dim: int = 64) -> bool:
-    """Whether bf16 prefill chunks of ``head_dim`` run on AMX tiles here: the CPU has AMX-BF16, the
-    kernel was built for it, and Linux lets this process use the tile registers."""
-    if native_bf16() != "amx_bf16":
+    """Whether bf16 prefill chunks of ``head_dim`` run on tiles here: the CPU has AMX-BF16 (and Linux
+    lets this process use the tile registers) or AVX512-BF16 (the tiles emulated, ``csrc/amx_tiles.h``),
+    and the kernel was built for it."""
+    if native_bf16() is None:
         return False
     fn = native.function(_AMX_KERNEL, "amx_prefill_available", [_I32], ctypes.c_int)
     return fn is not None and bool(fn(head_dim))
@@ -174,7 +210,7 @@ def amx_prefill_available(head_dim: int = 64) -> bool:
 
 def _amx_applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether bf16 chunks of ``query``'s step can run on the tiles at all (dtype, CPU, strides)."""
-    return (query.dtype == torch.bfloat16 and native_bf16() == "amx_bf16" and query.device.type == "cpu"
+    return (query.dtype == torch.bfloat16 and native_bf16() is not None and query.device.type == "cpu"
             and out.dtype == torch.bfloat16 and out.stride(-1) == 1 and _supported(query, key_cache, value_cache))
 
 
@@ -212,18 +248,18 @@ def _amx_prefill_batch(query: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 def _amx_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_len: int, scale: float, out: torch.Tensor) -> bool:
-    """A bf16 chunk's attention on AMX tiles, written into ``out``; False, writing nothing, where it
-    does not apply (fewer than ``_AMX_MIN_ROWS`` rows, no AMX-BF16, not bf16, head size not 64 or
-    128, strides it does not take, no permission for the tiles)."""
+    """A bf16 chunk's attention on tiles, written into ``out``; False, writing nothing, where it
+    does not apply (too short for the tiles: :func:`_takes_tiles`; neither AMX-BF16 nor AVX512-BF16,
+    not bf16, head size not 64 or 128, strides it does not take, no permission for the tiles)."""
     q_len = query.shape[0]
-    return q_len >= _AMX_MIN_ROWS and _amx_prefill_batch(query, key_cache, value_cache, block_table[None], [0], [0],
+    return _takes_tiles(q_len, seq_len) and _amx_prefill_batch(query, key_cache, value_cache, block_table[None], [0], [0],
                                                          [q_len], [seq_len], scale, out)
 
 
 def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_len: int, scale: float, out: torch.Tensor) -> None:
     """:func:`_prefill`'s contract (same arguments), written into ``out``, in C when the inputs allow
-    it: a bf16 chunk on AMX tiles, else one kernel row per query token, each over its causal prefix,
+    it: a bf16 chunk on tiles, else one kernel row per query token, each over its causal prefix,
     all rows reading the sequence's one block table."""
     if _amx_prefill(query, key_cache, value_cache, block_table, seq_len, scale, out):
         return
@@ -349,8 +385,9 @@ def _step_plan(query: torch.Tensor, block_tables: torch.Tensor, query_start_loc:
     # the C kernel has its AVX-512 loop, go to `decode` together, a row per token: row j of a chunk
     # of n attends to the first seq_len - n + j + 1 positions, through its sequence's block table.
     # One call for all, and rows that share a cached prefix read it together.
-    short_as_rows = any(1 < n < _AMX_MIN_ROWS for n in q_lens) and _vectorized(query.shape[2])
-    as_rows = [n == 1 or (short_as_rows and n < _AMX_MIN_ROWS) for n in q_lens]
+    min_rows = _tile_min_rows()
+    short_as_rows = any(1 < n < min_rows for n in q_lens) and _vectorized(query.shape[2])
+    as_rows = [n == 1 or (short_as_rows and n < min_rows) for n in q_lens]
     row_seqs = [s for s in range(num_seqs) if as_rows[s]]
     if row_seqs:
         seq_of_row = [s for s in row_seqs for _ in range(q_lens[s])]
@@ -360,8 +397,8 @@ def _step_plan(query: torch.Tensor, block_tables: torch.Tensor, query_start_loc:
         if len(row_seqs) < num_seqs:
             plan.rows = torch.tensor([qsl[s] + j for s in row_seqs for j in range(q_lens[s])], device=query.device)
     plan.chunks = [s for s in range(num_seqs) if not as_rows[s]]
-    plan.on_tiles = [s for s in plan.chunks if q_lens[s] >= _AMX_MIN_ROWS]
-    plan.off_tiles = [s for s in plan.chunks if q_lens[s] < _AMX_MIN_ROWS]
+    plan.on_tiles = [s for s in plan.chunks if _takes_tiles(q_lens[s], lens[s])]
+    plan.off_tiles = [s for s in plan.chunks if not _takes_tiles(q_lens[s], lens[s])]
     return plan
 
 
@@ -378,8 +415,8 @@ def _paged_attention(
     step_cache: dict | None = None,
 ) -> torch.Tensor:
     """Attention with decode rows (and, where the C kernel has its AVX-512 loop, chunks of fewer than
-    ``_AMX_MIN_ROWS`` tokens) handed to ``decode`` (the signature of :func:`_decode`) in one call, a
-    row per token; prefill chunks on AMX tiles all in one call (:func:`_amx_prefill_batch`), the
+    :func:`_tile_min_rows` tokens) handed to ``decode`` (the signature of :func:`_decode`) in one call, a
+    row per token; prefill chunks on tiles all in one call (:func:`_amx_prefill_batch`), the
     others one sequence at a time (:func:`_native_prefill`). ``step_cache``: see
     :func:`cpu_paged_attention`."""
     if out is None:

@@ -17,8 +17,9 @@
  * prefix would otherwise repack it for each. A chunk's result is the same whichever chunks share
  * its call (the same arithmetic on the same packed values).
  *
- * Built only where the compiler targets AMX-BF16 and AVX-512 BF16 (-march=native on such a CPU);
- * elsewhere amx_prefill_available() says 0 and the caller keeps its other paths. The process must
+ * Built where the compiler targets AMX-BF16 and AVX-512 BF16 (-march=native on such a CPU), and
+ * with the tiles emulated where it targets AVX-512 BF16 alone (amx_tiles.h; amx_prefill_emulated()
+ * says 1); elsewhere amx_prefill_available() says 0 and the caller keeps its other paths. The process must
  * be allowed to use the tile registers: the first call asks Linux (arch_prctl) and says 0 if refused.
  */
 #include <math.h>
@@ -145,10 +146,10 @@ static inline __attribute__((always_inline)) void rescale_rows(float *o, const f
 #define T_O3 7
 
 static inline __attribute__((always_inline)) void store_o64(float *o) {
-    _tile_stored(T_O0, o, 64 * sizeof(float));
-    _tile_stored(T_O1, o + 16, 64 * sizeof(float));
-    _tile_stored(T_O2, o + 32, 64 * sizeof(float));
-    _tile_stored(T_O3, o + 48, 64 * sizeof(float));
+    tile_stored(T_O0, o, 64 * sizeof(float));
+    tile_stored(T_O1, o + 16, 64 * sizeof(float));
+    tile_stored(T_O2, o + 32, 64 * sizeof(float));
+    tile_stored(T_O3, o + 48, 64 * sizeof(float));
 }
 
 /* Where 32-key block b of chunk s lies packed for KV head kv: K's tiles, then V's (slot_bytes / 2 in). */
@@ -163,20 +164,20 @@ static inline __attribute__((always_inline)) const char *packed_block(const stru
  * block's softmax and their store after it. */
 static inline __attribute__((always_inline)) void block_scores_issue(const bf16_t *qbase, int64_t qstride,
                                                                      const uint32_t *kt, int halves) {
-    _tile_zero(T_S0);
-    _tile_zero(T_S1);
+    tile_zero(T_S0);
+    tile_zero(T_S1);
     for (int h = 0; h < halves; h++) {
-        _tile_loadd(T_Q, qbase + h * 32, qstride);
-        _tile_loadd(T_K, kt + h * 256, 64);
-        _tile_dpbf16ps(T_S0, T_Q, T_K);
-        _tile_loadd(T_K, kt + (halves + h) * 256, 64);
-        _tile_dpbf16ps(T_S1, T_Q, T_K);
+        tile_loadd(T_Q, qbase + h * 32, qstride);
+        tile_loadd(T_K, kt + h * 256, 64);
+        tile_dpbf16ps(T_S0, T_Q, T_K);
+        tile_loadd(T_K, kt + (halves + h) * 256, 64);
+        tile_dpbf16ps(T_S1, T_Q, T_K);
     }
 }
 
 static inline __attribute__((always_inline)) void block_scores_store(float *sc) {
-    _tile_stored(T_S0, sc, KB * sizeof(float));
-    _tile_stored(T_S1, sc + 16, KB * sizeof(float));
+    tile_stored(T_S0, sc, KB * sizeof(float));
+    tile_stored(T_S1, sc + 16, KB * sizeof(float));
 }
 
 /* One query head's block of up to 16 tokens starting at token i0 of chunk `s`. */
@@ -211,10 +212,10 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
     const int64_t num_keys = ctx + i0 + rows;
     const int num_kblocks = (int)((num_keys + KB - 1) / KB);
     if (D == 64) {
-        _tile_zero(T_O0);
-        _tile_zero(T_O1);
-        _tile_zero(T_O2);
-        _tile_zero(T_O3);
+        tile_zero(T_O0);
+        tile_zero(T_O1);
+        tile_zero(T_O2);
+        tile_zero(T_O3);
         /* Pipelined: the tile products of block b + 1's scores are issued before block b's
          * softmax (AVX-512) and stored after it, so the tile unit works while the vector units
          * do; the same arithmetic in the same order for every value. */
@@ -232,20 +233,20 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
             if (rescaled && b > 0) {
                 store_o64(o); /* some row's maximum rose: its sums so far scale down */
                 rescale_rows(o, alpha, 64);
-                _tile_loadd(T_O0, o, 64 * sizeof(float));
-                _tile_loadd(T_O1, o + 16, 64 * sizeof(float));
-                _tile_loadd(T_O2, o + 32, 64 * sizeof(float));
-                _tile_loadd(T_O3, o + 48, 64 * sizeof(float));
+                tile_loadd(T_O0, o, 64 * sizeof(float));
+                tile_loadd(T_O1, o + 16, 64 * sizeof(float));
+                tile_loadd(T_O2, o + 32, 64 * sizeof(float));
+                tile_loadd(T_O3, o + 48, 64 * sizeof(float));
             }
-            _tile_loadd(T_A, p, KB * sizeof(bf16_t));
-            _tile_loadd(T_B, vv, 64);
-            _tile_dpbf16ps(T_O0, T_A, T_B);
-            _tile_loadd(T_B, vv + 512, 64);
-            _tile_dpbf16ps(T_O1, T_A, T_B);
-            _tile_loadd(T_B, vv + 2 * 512, 64);
-            _tile_dpbf16ps(T_O2, T_A, T_B);
-            _tile_loadd(T_B, vv + 3 * 512, 64);
-            _tile_dpbf16ps(T_O3, T_A, T_B);
+            tile_loadd(T_A, p, KB * sizeof(bf16_t));
+            tile_loadd(T_B, vv, 64);
+            tile_dpbf16ps(T_O0, T_A, T_B);
+            tile_loadd(T_B, vv + 512, 64);
+            tile_dpbf16ps(T_O1, T_A, T_B);
+            tile_loadd(T_B, vv + 2 * 512, 64);
+            tile_dpbf16ps(T_O2, T_A, T_B);
+            tile_loadd(T_B, vv + 3 * 512, 64);
+            tile_dpbf16ps(T_O3, T_A, T_B);
         }
         store_o64(o);
     } else {
@@ -256,12 +257,12 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
             block_scores_issue(qbase, qstride, (const uint32_t *)slot, halves);
             block_scores_store(sc[0]);
             block_softmax(c, sc[0], p, m, threshold, alpha, lacc, ctx, i0, b);
-            _tile_loadd(T_P, p, KB * sizeof(bf16_t));
+            tile_loadd(T_P, p, KB * sizeof(bf16_t));
             for (int t = 0; t < dtiles; t++) {
-                _tile_zero(T_O);
-                _tile_loadd(T_V, vv + t * 512, 64);
-                _tile_dpbf16ps(T_O, T_P, T_V);
-                _tile_stored(T_O, tmp, 16 * sizeof(float));
+                tile_zero(T_O);
+                tile_loadd(T_V, vv + t * 512, 64);
+                tile_dpbf16ps(T_O, T_P, T_V);
+                tile_stored(T_O, tmp, 16 * sizeof(float));
                 for (int r = 0; r < QB; r++) { /* alpha 1 (no rescale) adds exactly */
                     float *row = o + r * D + t * 16;
                     _mm512_store_ps(row, _mm512_fmadd_ps(_mm512_load_ps(row), _mm512_set1_ps(alpha[r]),
@@ -412,12 +413,21 @@ static int run_group(const struct call *base, const bf16_t *key_cache, const bf1
             const int token_head = work[2 * i + 1];
             query_block(&c, &chunks[work[2 * i]], token_head % c.num_heads, token_head / c.num_heads);
         }
-        _tile_release();
+        tile_release();
     }
     return 0;
 }
 
 #endif
+
+/* 1 where the tiles are emulated with AVX-512 BF16 (amx_tiles.h), 0 on AMX hardware or without tiles. */
+int amx_prefill_emulated(void) {
+#ifdef HAVE_AMX_TILES
+    return AMX_TILES_EMULATED;
+#else
+    return 0;
+#endif
+}
 
 int amx_prefill_available(int head_dim) {
 #ifdef HAVE_AMX_TILES

@@ -1,9 +1,21 @@
 /* AMX tile helpers shared by the CPU kernels of this folder (included, not built on its own).
  *
- * HAVE_AMX_TILES is defined, and the helpers exist, only where the compiler targets AMX-BF16 with
+ * HAVE_AMX_TILES is defined, and the helpers exist, where the compiler targets AMX-BF16 with
  * AVX-512 BF16 and BW (-march=native on Intel Sapphire Rapids and later) on Linux. A process must
  * be allowed to use the tile registers: amx_permitted() asks Linux once (arch_prctl) and says
  * whether it may. Every kernel using tiles keeps another path for when it may not.
+ *
+ * Where the compiler targets AVX-512 BF16 without AMX (AMD Zen 4 and later, Intel Cooper Lake),
+ * HAVE_AMX_TILES is defined too, with AMX_TILES_EMULATED: the tile instructions these kernels use
+ * (tile_loadconfig, tile_zero, tile_loadd, tile_stored, tile_dpbf16ps, tile_release: GCC's _tile_*
+ * intrinsics where there is AMX) are done in software on eight 1 KB tiles per thread, a tile
+ * product as VDPBF16PS over its 16 pairs (the B tile in 16 registers, each row of A broadcast a pair
+ * at a time). Much slower than a tile unit, but the kernels' packed layouts make it a GEMM at
+ * AVX-512 BF16's rate, which the row-at-a-time kernels beside them are not. Only the shapes these kernels configure are done: rows
+ * of 64 bytes (16 fp32 or 32 bf16), up to 16 rows. A row of C takes its 16 pairs in order in one
+ * fp32 chain (VDPBF16PS adds a pair's two products, then the sum, rounding to nearest and treating
+ * denormals as zero): a row's result depends on that row and the tile it is multiplied by alone,
+ * whatever the rows beside it. Results differ from the tile unit's by fp32 rounding.
  *
  * The layouts the tile products want (TDPBF16PS: C[16 x 16 fp32] += A[16 x 32 bf16] B[32 x 16
  * bf16], B with pairs of its rows interleaved, "VNNI"):
@@ -26,10 +38,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX_TILES 1
+#define AMX_TILES_EMULATED 0
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(HAVE_AVX512)
+#define HAVE_AMX_TILES 1
+#define AMX_TILES_EMULATED 1
+#endif
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
+#ifdef HAVE_AMX_TILES
 /* The tile registers: literals, as GCC's tile intrinsics paste them into the instruction. */
 #define T_Q 0
 #define T_K 2
@@ -47,12 +62,134 @@ struct amx_tile_config {
     uint8_t rows[16];
 };
 
+#if !AMX_TILES_EMULATED
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
 static int amx_permitted(void) {
     static int state = 0; /* 0: not asked, 1: granted, -1: refused */
     if (state == 0)
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
 }
+#else
+static int amx_permitted(void) { return 1; }
+
+/* The calling thread's eight tiles. A tile is 16 rows of 64 bytes in `data`, or, once loaded and
+ * until a product adds into it, a view of the memory it was loaded from (`src`, `stride`): a load
+ * copies nothing, and the product reads A and B where they lie. A view reads its memory when used,
+ * so a kernel must not write that memory between a tile's load and its use (none of this folder
+ * does). `zeroed`: the tile is all zeros (a product then starts its sums from registers). */
+struct amx_emu_tiles {
+    float data[8][256] __attribute__((aligned(64)));
+    const char *src[8];
+    int64_t stride[8];
+    uint8_t rows[8];
+    uint8_t zeroed[8];
+};
+static __thread struct amx_emu_tiles amx_emu __attribute__((aligned(64)));
+
+static inline __attribute__((always_inline)) void amx_emu_loadconfig(const struct amx_tile_config *cfg) {
+    struct amx_emu_tiles *e = &amx_emu;
+    for (int t = 0; t < 8; t++) {
+        e->rows[t] = cfg->rows[t];
+        e->src[t] = NULL;
+        e->zeroed[t] = 0;
+    }
+}
+
+static inline __attribute__((always_inline)) void amx_emu_zero(int t) {
+    struct amx_emu_tiles *e = &amx_emu;
+    e->src[t] = NULL;
+    e->zeroed[t] = 1;
+}
+
+static inline __attribute__((always_inline)) void amx_emu_loadd(int t, const void *base, int64_t stride) {
+    struct amx_emu_tiles *e = &amx_emu;
+    e->src[t] = (const char *)base;
+    e->stride[t] = stride;
+    e->zeroed[t] = 0;
+}
+
+static inline __attribute__((always_inline)) void amx_emu_stored(int t, void *base, int64_t stride) {
+    struct amx_emu_tiles *e = &amx_emu;
+    const int rows = e->rows[t];
+    if (e->zeroed[t]) {
+        for (int r = 0; r < rows; r++)
+            _mm512_storeu_si512((char *)base + r * stride, _mm512_setzero_si512());
+    } else if (e->src[t]) {
+        for (int r = 0; r < rows; r++)
+            _mm512_storeu_si512((char *)base + r * stride, _mm512_loadu_si512(e->src[t] + r * e->stride[t]));
+    } else {
+        for (int r = 0; r < rows; r++)
+            _mm512_storeu_si512((char *)base + r * stride, _mm512_load_si512(e->data[t] + 16 * r));
+    }
+}
+
+/* Row r of tile t (its data, or the memory it views). */
+static inline __attribute__((always_inline)) const char *amx_emu_row(const struct amx_emu_tiles *e, int t, int r) {
+    return e->src[t] ? e->src[t] + r * e->stride[t] : (const char *)(e->data[t] + 16 * r);
+}
+
+/* C[r] += sum over pairs k of A[r][k] . B[k] for C's rows r, each row one chain over k = 0..15 (the
+ * same order whatever the rows beside it), eight rows at a time for independent chains. */
+#define AMX_EMU_PAIR(acc, a, k) \
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)(a)[k]), b[k])
+#define AMX_EMU_ROWS(n)                                                                     \
+    do {                                                                                    \
+        __m512 acc[n];                                                                      \
+        const uint32_t *ar[n];                                                              \
+        for (int i = 0; i < n; i++) {                                                       \
+            acc[i] = zeroed ? _mm512_setzero_ps() : _mm512_load_ps(c + 16 * (r + i));       \
+            ar[i] = (const uint32_t *)amx_emu_row(e, ta, r + i);                             \
+        }                                                                                   \
+        for (int k = 0; k < 16; k++)                                                        \
+            for (int i = 0; i < n; i++)                                                     \
+                AMX_EMU_PAIR(acc[i], ar[i], k);                                             \
+        for (int i = 0; i < n; i++)                                                         \
+            _mm512_store_ps(c + 16 * (r + i), acc[i]);                                      \
+    } while (0)
+static inline __attribute__((always_inline)) void amx_emu_dpbf16ps(int tc, int ta, int tb) {
+    struct amx_emu_tiles *e = &amx_emu;
+    float *c = e->data[tc];
+    const int rows = e->rows[tc];
+    if (e->src[tc]) { /* C was loaded: its values come in now */
+        for (int r = 0; r < rows; r++)
+            _mm512_store_ps(c + 16 * r, _mm512_loadu_ps((const float *)(e->src[tc] + r * e->stride[tc])));
+        e->src[tc] = NULL;
+    }
+    const int zeroed = e->zeroed[tc];
+    e->zeroed[tc] = 0;
+    __m512bh b[16];
+    for (int k = 0; k < 16; k++)
+        b[k] = (__m512bh)_mm512_loadu_ps((const float *)amx_emu_row(e, tb, k));
+    int r = 0;
+    for (; r + 8 <= rows; r += 8)
+        AMX_EMU_ROWS(8);
+    for (; r + 4 <= rows; r += 4)
+        AMX_EMU_ROWS(4);
+    for (; r < rows; r++)
+        AMX_EMU_ROWS(1);
+}
+
+#endif
+
+/* The tile instructions the kernels use: the hardware's, or their emulation above. */
+#if !AMX_TILES_EMULATED
+#define tile_loadconfig(cfg) _tile_loadconfig(cfg)
+#define tile_zero(t) _tile_zero(t)
+#define tile_loadd(t, base, stride) _tile_loadd(t, base, stride)
+#define tile_stored(t, base, stride) _tile_stored(t, base, stride)
+#define tile_dpbf16ps(c, a, b) _tile_dpbf16ps(c, a, b)
+#define tile_release() _tile_release()
+#else
+#define tile_loadconfig(cfg) amx_emu_loadconfig((const struct amx_tile_config *)(cfg))
+#define tile_zero(t) amx_emu_zero(t)
+#define tile_loadd(t, base, stride) amx_emu_loadd((t), (base), (stride))
+#define tile_stored(t, base, stride) amx_emu_stored((t), (base), (stride))
+#define tile_dpbf16ps(c, a, b) amx_emu_dpbf16ps((c), (a), (b))
+#define tile_release() ((void)0)
+#endif
 
 /* Position ``pos``'s row in a paged cache (``table``: the sequence's block ids; strides and
  * ``offset``, its KV head's, in elements). */
@@ -77,7 +214,7 @@ static inline void amx_full_tiles(struct amx_tile_config *cfg) {
 static inline void amx_configure_tiles(void) {
     struct amx_tile_config cfg;
     amx_full_tiles(&cfg);
-    _tile_loadconfig(&cfg);
+    tile_loadconfig(&cfg);
 }
 
 /* r[i] = row i of a 16 x 16 matrix of 32-bit words; on return r[i] = column i. Unpacks pair the

@@ -27,7 +27,8 @@
  * With AMX tiles (bf16, `tiles` set by the caller), the chunks of a cached prefix that all sequences
  * of an item share are scored and summed for all their rows at once as tile products
  * (shared_chunk_amx); a row's result is then within bf16 rounding of its result alone, no longer
- * bit for bit (the weights are rounded to bf16 for P V).
+ * bit for bit (the weights are rounded to bf16 for P V). With AVX-512 BF16 but no AMX the tiles
+ * are emulated (amx_tiles.h): 1.5x the row loop for 16 or more rows over a shared 1,024-token prefix.
  */
 #include <float.h>
 #include <math.h>
@@ -424,17 +425,17 @@ static void shared_chunk_amx(const struct args *a, const int *seqs, int n, int h
                 memset(q + r * HD, 0, HD * sizeof(bf16_t));
         }
         for (int b = 0; b < CHUNK / 32; b++) {
-            _tile_zero(T_S0);
-            _tile_zero(T_S1);
+            tile_zero(T_S0);
+            tile_zero(T_S1);
             for (int hf = 0; hf < halves; hf++) {
-                _tile_loadd(T_Q, q + hf * 32, HD * sizeof(bf16_t));
-                _tile_loadd(T_K, kt + ((int64_t)(2 * b) * halves + hf) * 256, 64);
-                _tile_dpbf16ps(T_S0, T_Q, T_K);
-                _tile_loadd(T_K, kt + ((int64_t)(2 * b + 1) * halves + hf) * 256, 64);
-                _tile_dpbf16ps(T_S1, T_Q, T_K);
+                tile_loadd(T_Q, q + hf * 32, HD * sizeof(bf16_t));
+                tile_loadd(T_K, kt + ((int64_t)(2 * b) * halves + hf) * 256, 64);
+                tile_dpbf16ps(T_S0, T_Q, T_K);
+                tile_loadd(T_K, kt + ((int64_t)(2 * b + 1) * halves + hf) * 256, 64);
+                tile_dpbf16ps(T_S1, T_Q, T_K);
             }
-            _tile_stored(T_S0, s + b * 32, CHUNK * sizeof(float));
-            _tile_stored(T_S1, s + b * 32 + 16, CHUNK * sizeof(float));
+            tile_stored(T_S0, s + b * 32, CHUNK * sizeof(float));
+            tile_stored(T_S1, s + b * 32 + 16, CHUNK * sizeof(float));
         }
         for (int r = 0; r < 16; r++) {
             if (r >= nrows) {  /* rows past the item's: weights 0 (their products are dropped anyway) */
@@ -465,20 +466,20 @@ static void shared_chunk_amx(const struct args *a, const int *seqs, int n, int h
                                                                    _mm512_set1_ps(rescale)));
         }
         for (int t = 0; t < dtiles; t++) {
-            _tile_zero(T_O);
+            tile_zero(T_O);
             for (int b = 0; b < CHUNK / 32; b++) {
-                _tile_loadd(T_P, p + b * 32, CHUNK * sizeof(bf16_t));
-                _tile_loadd(T_V, vv + ((int64_t)b * dtiles + t) * 512, 64);
-                _tile_dpbf16ps(T_O, T_P, T_V);
+                tile_loadd(T_P, p + b * 32, CHUNK * sizeof(bf16_t));
+                tile_loadd(T_V, vv + ((int64_t)b * dtiles + t) * 512, 64);
+                tile_dpbf16ps(T_O, T_P, T_V);
             }
-            _tile_stored(T_O, tmp, 16 * sizeof(float));
+            tile_stored(T_O, tmp, 16 * sizeof(float));
             for (int r = 0; r < nrows; r++) {
                 float *acc = &st[(r0 + r) / G].acc[(r0 + r) % G][16 * t];
                 _mm512_store_ps(acc, _mm512_add_ps(_mm512_load_ps(acc), _mm512_load_ps(tmp + r * 16)));
             }
         }
     }
-    _tile_release();
+    tile_release();
 }
 #endif
 
@@ -615,7 +616,7 @@ static int make_groups(const int32_t *block_tables, int64_t bt_stride, const int
  * num_heads % num_kv_heads == 0, group <= 16, head_dim <= 256, block_size <= 128, every
  * seq_len >= 1. Strides are in elements.
  * `tiles` (bf16 only): the chunks that all sequences of a work item share (a cached prompt prefix)
- * run on AMX tiles for all of them at once (shared_chunk_amx) where the build and Linux allow; 0
+ * run on tiles (AMX, or emulated) for all of them at once (shared_chunk_amx) where the build and Linux allow; 0
  * keeps every row's arithmetic exactly what it is alone. */
 #ifdef HAVE_AMX_TILES
 #define TILES_ALLOWED(tiles) ((tiles) && amx_permitted())

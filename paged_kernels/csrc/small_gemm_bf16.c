@@ -22,7 +22,10 @@
  * differs from oneDNN's only in the order of the fp32 sums; the tiles treat denormal inputs as zero.
  *
  * Without AMX (or where Linux refuses the process the tile registers) small_gemm_bf16_available()
- * says 0 and callers keep oneDNN. Built by paged_kernels/native.py.
+ * says 0 and callers keep oneDNN: amx_tiles.h's emulation of the tiles with AVX-512 BF16 beats
+ * oneDNN only at one or two rows (SmolLM2-135M's 120 layer GEMMs on a 2-core AMD EPYC: 9.5 vs
+ * 11.5 ms at one row, 13.3 vs 11.8 at eight), and a packed model pads its steps to eight rows.
+ * Built by paged_kernels/native.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -30,12 +33,16 @@
 #include "amx_tiles.h"
 #include "bf16.h"
 
+#if defined(HAVE_AMX_TILES) && !AMX_TILES_EMULATED
+#define SMALL_GEMM_TILES 1 /* the tile unit itself */
+#endif
+
 #define GROUP 16            /* output columns per work item: one C tile's width */
 #define CHUNK_BLOCKS 4      /* row blocks of 16 whose C tiles a work item holds at once */
 
 int small_gemm_bf16_available(void)
 {
-#ifdef HAVE_AMX_TILES
+#ifdef SMALL_GEMM_TILES
     return amx_permitted();
 #else
     return 0;
@@ -57,7 +64,7 @@ void small_gemm_pack_bf16(const bf16_t *w, int64_t ldw, bf16_t *packed, int64_t 
     }
 }
 
-#ifdef HAVE_AMX_TILES
+#ifdef SMALL_GEMM_TILES
 /* Tiles: C0..C3 the outputs of a chunk's row blocks 0..3 (16 rows each), A a block of x; the last
  * row block of x (its rows may be fewer) goes to C_LAST and A_LAST; B the weight's tile. */
 #define T_C0 0
@@ -74,25 +81,25 @@ static void configure(int last_rows)
     struct amx_tile_config cfg;
     amx_full_tiles(&cfg);
     cfg.rows[T_A_LAST] = cfg.rows[T_C_LAST] = last_rows;
-    _tile_loadconfig(&cfg);
+    tile_loadconfig(&cfg);
 }
 
 /* C += A(x's row block at xb) B, the block loaded into tile A. Tile numbers must be literals. */
 #define PRODUCT(C, A, xb)                      \
     do {                                       \
-        _tile_loadd(A, (xb), ldx * 2);         \
-        _tile_dpbf16ps(C, A, T_B);             \
+        tile_loadd(A, (xb), ldx * 2);         \
+        tile_dpbf16ps(C, A, T_B);             \
     } while (0)
 
 static inline __attribute__((always_inline)) void store(int tile, float *acc, const bf16_t *bias, bf16_t *y,
                                                          int64_t ldy, int rows)
 {
     switch (tile) {
-    case T_C0: _tile_stored(T_C0, acc, GROUP * sizeof(float)); break;
-    case T_C1: _tile_stored(T_C1, acc, GROUP * sizeof(float)); break;
-    case T_C2: _tile_stored(T_C2, acc, GROUP * sizeof(float)); break;
-    case T_C3: _tile_stored(T_C3, acc, GROUP * sizeof(float)); break;
-    default: _tile_stored(T_C_LAST, acc, GROUP * sizeof(float)); break;
+    case T_C0: tile_stored(T_C0, acc, GROUP * sizeof(float)); break;
+    case T_C1: tile_stored(T_C1, acc, GROUP * sizeof(float)); break;
+    case T_C2: tile_stored(T_C2, acc, GROUP * sizeof(float)); break;
+    case T_C3: tile_stored(T_C3, acc, GROUP * sizeof(float)); break;
+    default: tile_stored(T_C_LAST, acc, GROUP * sizeof(float)); break;
     }
     const __m512 b = bias ? widen16_bf16(bias) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++)
@@ -108,15 +115,15 @@ static inline __attribute__((always_inline)) void chunk(const bf16_t *x, int64_t
                                                         int last, int last_rows, float *acc)
 {
     const int full = last ? blocks - 1 : blocks;  /* blocks in C0..C3 */
-    if (full > 0) _tile_zero(T_C0);
-    if (full > 1) _tile_zero(T_C1);
-    if (full > 2) _tile_zero(T_C2);
-    if (full > 3) _tile_zero(T_C3);
-    if (last) _tile_zero(T_C_LAST);
+    if (full > 0) tile_zero(T_C0);
+    if (full > 1) tile_zero(T_C1);
+    if (full > 2) tile_zero(T_C2);
+    if (full > 3) tile_zero(T_C3);
+    if (last) tile_zero(T_C_LAST);
     const bf16_t *xl = x + (int64_t)full * 16 * ldx;
     for (int64_t kb = 0; kb < k / 32; kb++) {
         const int64_t o = kb * 32;
-        _tile_loadd(T_B, wg + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
+        tile_loadd(T_B, wg + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
         if (full > 0) PRODUCT(T_C0, T_A, x + o);
         if (full > 1) PRODUCT(T_C1, T_A, x + 16 * ldx + o);
         if (full > 2) PRODUCT(T_C2, T_A, x + 32 * ldx + o);
@@ -149,7 +156,7 @@ static void configure_pair(int rows0, int rows1)
     cfg.rows[T_C00] = cfg.rows[T_C01] = cfg.rows[T_A0] = rows0;
     if (rows1)
         cfg.rows[T_C10] = cfg.rows[T_C11] = cfg.rows[T_A1] = rows1;
-    _tile_loadconfig(&cfg);
+    tile_loadconfig(&cfg);
 }
 
 /* The SiLU * up epilogue of one row block: gate sums in acc (16 rows x 16 columns), up sums beside
@@ -173,32 +180,32 @@ static inline __attribute__((always_inline)) void pair_item(const bf16_t *x, int
                                                             bf16_t *y, int64_t ldy, int rows0, int rows1, float *acc,
                                                             const int silu)
 {
-    _tile_zero(T_C00);
-    _tile_zero(T_C01);
+    tile_zero(T_C00);
+    tile_zero(T_C01);
     if (rows1) {
-        _tile_zero(T_C10);
-        _tile_zero(T_C11);
+        tile_zero(T_C10);
+        tile_zero(T_C11);
     }
     for (int64_t kb = 0; kb < k / 32; kb++) {
         const int64_t o = kb * 32;
-        _tile_loadd(T_B0, w0 + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
-        _tile_loadd(T_B1, w1 + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
-        _tile_loadd(T_A0, x + o, ldx * 2);
-        _tile_dpbf16ps(T_C00, T_A0, T_B0);
-        _tile_dpbf16ps(T_C01, T_A0, T_B1);
+        tile_loadd(T_B0, w0 + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
+        tile_loadd(T_B1, w1 + kb * 16 * 2 * GROUP, 2 * GROUP * sizeof(bf16_t));
+        tile_loadd(T_A0, x + o, ldx * 2);
+        tile_dpbf16ps(T_C00, T_A0, T_B0);
+        tile_dpbf16ps(T_C01, T_A0, T_B1);
         if (rows1) {
-            _tile_loadd(T_A1, x + 16 * ldx + o, ldx * 2);
-            _tile_dpbf16ps(T_C10, T_A1, T_B0);
-            _tile_dpbf16ps(T_C11, T_A1, T_B1);
+            tile_loadd(T_A1, x + 16 * ldx + o, ldx * 2);
+            tile_dpbf16ps(T_C10, T_A1, T_B0);
+            tile_dpbf16ps(T_C11, T_A1, T_B1);
         }
     }
     if (silu) {
-        _tile_stored(T_C00, acc, GROUP * sizeof(float));
-        _tile_stored(T_C01, acc + 16 * GROUP, GROUP * sizeof(float));
+        tile_stored(T_C00, acc, GROUP * sizeof(float));
+        tile_stored(T_C01, acc + 16 * GROUP, GROUP * sizeof(float));
         store_silu_mul(acc, y, ldy, rows0);
         if (rows1) {
-            _tile_stored(T_C10, acc, GROUP * sizeof(float));
-            _tile_stored(T_C11, acc + 16 * GROUP, GROUP * sizeof(float));
+            tile_stored(T_C10, acc, GROUP * sizeof(float));
+            tile_stored(T_C11, acc + 16 * GROUP, GROUP * sizeof(float));
             store_silu_mul(acc, y + 16 * ldy, ldy, rows1);
         }
         return;
@@ -234,7 +241,7 @@ static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const
             pair_item(x + r * 32 * ldx, ldx, w0, w0 + group_elems, k, bias ? bias + c * 32 : NULL,
                       y + r * 32 * ldy + c * (silu ? 16 : 32), ldy, last ? last0 : 16, last ? last1 : 16, acc, silu);
         }
-        _tile_release();
+        tile_release();
     }
 }
 #endif
@@ -247,7 +254,7 @@ static void gemm_pairs(const bf16_t *x, int64_t ldx, const bf16_t *packed, const
 int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf16_t *bias, bf16_t *y, int64_t ldy,
                     int64_t rows, int64_t n, int64_t k, int num_threads)
 {
-#ifdef HAVE_AMX_TILES
+#ifdef SMALL_GEMM_TILES
     if (rows < 1 || n % GROUP || k % 32 || !amx_permitted())
         return -1;
     if (n % 32 == 0) {
@@ -268,7 +275,7 @@ int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf
                       y + b0 * 16 * ldy + g * GROUP, ldy, nb, b0 + nb == blocks, last_rows, acc);
             }
         }
-        _tile_release();
+        tile_release();
     }
     return 0;
 #else
@@ -287,7 +294,7 @@ int small_gemm_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, const bf
 int small_gemm_silu_mul_bf16(const bf16_t *x, int64_t ldx, const bf16_t *packed, bf16_t *y, int64_t ldy,
                              int64_t rows, int64_t inter, int64_t k, int num_threads)
 {
-#ifdef HAVE_AMX_TILES
+#ifdef SMALL_GEMM_TILES
     if (rows < 1 || inter < 1 || inter % GROUP || k % 32 || !amx_permitted())
         return -1;
     gemm_pairs(x, ldx, packed, NULL, y, ldy, rows, 2 * inter, k, num_threads, 1);

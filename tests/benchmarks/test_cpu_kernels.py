@@ -23,5 +23,10 @@ def test_the_cpu_kernel_benchmark_runs_and_reports_every_part():
     assert "ms a layer" in done.stdout and "C read" in done.stdout and "plain read" in done.stdout
     assert "float32  2048 tokens: gather + SDPA" in done.stdout and "C kernel" in done.stdout
     assert "2048 tokens: add + RMSNorm, torch" in done.stdout and "rotary, fused" in done.stdout
+    if cpu.amx_prefill_available():  # tiles: AMX, or emulated with AVX512-BF16
+        assert "prefill chunk of 512 tokens after    0 cached: rows" in done.stdout
+        assert "decode rows over 4 shared prefix(es) of 1024" in done.stdout
+    else:
+        assert "tiles: no tile kernel" in done.stdout
     if small_gemm.available():  # the tile GEMM runs only where AMX does
         assert "1024 rows: oneDNN" in done.stdout and "AMX small GEMM" in done.stdout

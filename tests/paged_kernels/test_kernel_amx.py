@@ -1,6 +1,7 @@
 """bf16 prefill chunks on AMX tiles (``csrc/amx_prefill_attention.c``) against the fp32 torch
 reference, and which chunks take them. Runs where the CPU has AMX-BF16 (Intel Sapphire Rapids and
-later) and Linux grants the tile registers; elsewhere the dispatch test still runs."""
+later) and Linux grants the tile registers, or AVX512-BF16 (the tiles emulated, ``csrc/amx_tiles.h``);
+elsewhere the dispatch tests still run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from paged_kernels.reference import ref_paged_attention
 
 pytestmark = pytest.mark.kernel
 
-needs_amx = pytest.mark.skipif(not cpu.amx_prefill_available(), reason="no AMX-BF16 tile kernel on this CPU")
+needs_amx = pytest.mark.skipif(not cpu.amx_prefill_available(), reason="no tile kernel (AMX-BF16 or AVX512-BF16) here")
 
 # bf16 results rounded once, to bf16, from fp32 sums (P rounded to bf16 before P V, as SDPA does)
 TOLERANCE = dict(atol=1.5e-2, rtol=1e-2)
@@ -83,9 +84,28 @@ def test_bf16_chunks_of_8_rows_or_more_take_the_tiles(paged_batch, monkeypatch, 
     out = cpu.cpu_paged_attention(*batch.args())
 
     on_tiles = dtype == torch.bfloat16 and cpu.amx_prefill_available()
-    assert calls == ([[100, 8]] if on_tiles else [])
+    # emulated tiles (AVX512-BF16 without AMX) take chunks from 16 rows: the 8-row one goes as rows
+    assert calls == (([[100]] if cpu.tiles_emulated() else [[100, 8]]) if on_tiles else [])
     tolerance = TOLERANCE if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out.float(), ref_paged_attention(*batch.args()).float(), **tolerance)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C compiler on this machine")
+@pytest.mark.parametrize("emulated", [False, True], ids=["amx", "emulated"])
+def test_which_chunks_take_the_tiles(paged_batch, monkeypatch, emulated):
+    """On AMX a chunk of 8 rows or more takes the tiles; on emulated tiles (a tile costs its full work
+    whatever rows it holds) 16 rows or more and 8,192 (row, position) pairs or more; chunks shorter
+    than the tiles' fewest rows go to the row kernel with the decode rows."""
+    monkeypatch.setattr(cpu, "tiles_emulated", lambda: emulated)
+    q_lens, seq_lens = [100, 8, 20, 16, 12, 1], [300, 1000, 30, 1040, 500, 77]
+    batch = paged_batch(q_lens=q_lens, seq_lens=seq_lens, num_heads=6, num_kv_heads=2, head_dim=64,
+                        block_size=16, head_major=True, dtype=torch.bfloat16)
+    plan = cpu._step_plan(batch.query, batch.block_tables, batch.query_start_loc, batch.seq_lens)
+    if emulated:
+        assert plan.on_tiles == [0, 3] and plan.off_tiles == [2]  # 20 x 30: too few pairs
+        assert plan.row_lens[:8] == list(range(993, 1001))  # the 8-row chunk as rows
+    else:
+        assert plan.on_tiles == [0, 1, 2, 3, 4] and plan.off_tiles == []
 
 
 def chunks_sharing_a_prefix(paged_batch, *, prefix_blocks: int, block_size: int):
@@ -169,7 +189,7 @@ def test_shared_prefix_tiles_are_used_for_bf16_only(paged_batch, monkeypatch):
     the rows' results alone); fp32 rows never do, and stay bit for bit what they are alone."""
     batch = shared_prefix_decode(paged_batch, num_seqs=16, prefix_blocks=16)
     on_tiles = cpu.cpu_paged_attention(*batch.args())
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))  # no AMX: no tiles
+    monkeypatch.setattr(cpu, "_shares_on_tiles", lambda dtype: False)  # the row kernel alone
     without = cpu.cpu_paged_attention(*batch.args())
     assert not torch.equal(on_tiles[:16], without[:16])
     assert torch.equal(on_tiles[16:], without[16:])  # the rows sharing nothing

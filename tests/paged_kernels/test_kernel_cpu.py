@@ -24,8 +24,11 @@ DECODE = dict(q_lens=[1] * 6, seq_lens=[150, 37, 1, 64, 16, 17])
 @pytest.fixture
 def bf16_cpu(monkeypatch):
     """A CPU with native bf16 (AVX512-BF16), whatever this one has: the C kernel's bf16 entry point
-    is plain C, so it runs anywhere; the flag only decides whether it is used."""
+    is plain C, so it runs anywhere; the flag only decides whether it is used. The row kernel alone:
+    no chunk and no shared prefix on tiles (test_kernel_amx.py tests those)."""
     monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "_shares_on_tiles", lambda dtype: False)
+    monkeypatch.setattr(cpu, "_takes_tiles", lambda q_len, seq_len: False)
 
 
 @pytest.fixture
