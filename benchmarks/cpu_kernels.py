@@ -319,8 +319,8 @@ def tiles(rounds: int) -> None:
         t = _tile_cases(rounds, {
             name: functools.partial(cpu._run, fn, query, k, v, tables, tables.stride(0), lens, scale, out, tiles=on)
             for name, on in (("rows", False), ("tiles", True))})
-        print(f"  {num_seqs:>2} decode rows over {prefixes} shared prefix(es) of {prefix}: rows {t['rows'] * 1e3:.3f} ms, "
-              f"tiles {t['tiles'] * 1e3:.3f} ms ({t['rows'] / t['tiles']:.2f}x)")
+        print(f"  {num_seqs:>2} decode rows over {prefixes} shared prefix(es) of {prefix}: "
+              f"rows {t['rows'] * 1e3:.3f} ms, tiles {t['tiles'] * 1e3:.3f} ms ({t['rows'] / t['tiles']:.2f}x)")
 
 
 def _fused_times(tokens: int, norm: RMSNorm, rope: RotaryEmbedding, gen: torch.Generator,

@@ -27,9 +27,10 @@ vectorised and careful with memory, because a worker without a GPU serves throug
   row per token. On a CPU with AVX512-BF16 but no AMX the same kernel runs on emulated tiles
   (``csrc/amx_tiles.h``: each tile product as AVX512-BF16 dot products), for chunks of at least
   ``_EMULATED_MIN_ROWS`` tokens and ``_EMULATED_MIN_PAIRS`` (token, position) pairs: 1.5-1.7x the
-  row kernel there. Decode rows sharing a cached prefix take the tiles (real or emulated) too. Elsewhere (no compiler, no AVX-512, other head sizes) a
-  chunk gathers its sequence's K/V into scratch and runs SDPA (causal, ``is_causal`` when the chunk
-  has no cached context) in the cache's dtype (bf16 SDPA accumulates in fp32).
+  row kernel there. Decode rows sharing a cached prefix take the tiles (real or emulated) too.
+  Elsewhere (no compiler, no AVX-512, other head sizes) a chunk gathers its sequence's K/V into
+  scratch and runs SDPA (causal, ``is_causal`` when the chunk has no cached context) in the cache's
+  dtype (bf16 SDPA accumulates in fp32).
 
 :func:`available` tells whether the C kernel is there.
 """
@@ -173,9 +174,10 @@ _AMX_PACKED_BUDGET = 128 << 20
 
 # With the tiles emulated (AVX512-BF16 without AMX: csrc/amx_tiles.h) a 16-row tile costs its full
 # work whatever rows it holds, and a call packs its blocks first: a chunk takes the tiles from 16 rows
-# and this many (query row, key position) pairs (timed against the row kernel on a 2-core AMD EPYC
-# with AVX512-BF16, one layer of SmolLM2-135M: 256 x 256 1.48x, 512 x 512 1.67x, 64 rows over 1,088
-# positions 1.61x, 16 over 1,040 1.58x, 64 x 64 even, 16 x 16 0.57x, 8 over 1,032 0.80x).
+# and this many (query row, key position) pairs (python benchmarks/cpu_kernels.py --part tiles, against
+# the row kernel on a 2-core AMD EPYC with AVX512-BF16, one layer of SmolLM2-135M: 256 x 256 1.51x,
+# 512 x 512 1.68x, 64 rows over 1,088 positions 1.63x, 16 over 1,040 1.52x, 64 x 64 0.92x, 16 x 16
+# 0.43x, 8 over 1,032 0.79x).
 _EMULATED_MIN_ROWS = 16
 _EMULATED_MIN_PAIRS = 8192
 
@@ -252,8 +254,8 @@ def _amx_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     does not apply (too short for the tiles: :func:`_takes_tiles`; neither AMX-BF16 nor AVX512-BF16,
     not bf16, head size not 64 or 128, strides it does not take, no permission for the tiles)."""
     q_len = query.shape[0]
-    return _takes_tiles(q_len, seq_len) and _amx_prefill_batch(query, key_cache, value_cache, block_table[None], [0], [0],
-                                                         [q_len], [seq_len], scale, out)
+    return _takes_tiles(q_len, seq_len) and _amx_prefill_batch(query, key_cache, value_cache, block_table[None],
+                                                               [0], [0], [q_len], [seq_len], scale, out)
 
 
 def _native_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -11,11 +11,13 @@
  * intrinsics where there is AMX) are done in software on eight 1 KB tiles per thread, a tile
  * product as VDPBF16PS over its 16 pairs (the B tile in 16 registers, each row of A broadcast a pair
  * at a time). Much slower than a tile unit, but the kernels' packed layouts make it a GEMM at
- * AVX-512 BF16's rate, which the row-at-a-time kernels beside them are not. Only the shapes these kernels configure are done: rows
- * of 64 bytes (16 fp32 or 32 bf16), up to 16 rows. A row of C takes its 16 pairs in order in one
- * fp32 chain (VDPBF16PS adds a pair's two products, then the sum, rounding to nearest and treating
- * denormals as zero): a row's result depends on that row and the tile it is multiplied by alone,
- * whatever the rows beside it. Results differ from the tile unit's by fp32 rounding.
+ * AVX-512 BF16's rate, which the row-at-a-time kernels beside them are not (1.5-1.7x them on a
+ * 2-core AMD EPYC: python benchmarks/cpu_kernels.py --part tiles). Only the shapes these kernels
+ * configure are done: rows of 64 bytes (16 fp32 or 32 bf16), up to 16 rows. A row of C takes its 16
+ * pairs in order in one fp32 chain (VDPBF16PS adds a pair's two products, then the sum, rounding to
+ * nearest and treating denormals as zero): a row's result depends on that row and the tile it is
+ * multiplied by alone, whatever the rows beside it. Results differ from the tile unit's by fp32
+ * rounding.
  *
  * The layouts the tile products want (TDPBF16PS: C[16 x 16 fp32] += A[16 x 32 bf16] B[32 x 16
  * bf16], B with pairs of its rows interleaved, "VNNI"):
