@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (the CPU peer of benchmarks/offline_throughput.py --peer llamacpp)
-# from the llama-cpp-python source package on PyPI, which vendors llama.cpp. Everything lands in
-# $LLAMACPP_DIR (git-ignored): a tools venv with cmake + ninja from PyPI, the sdist, the unpacked and
-# patched source, the build tree, and `bin/llama-server` + `bin/BUILD_INFO`. No llama.cpp code is
-# ever committed here. Re-running reuses what is there (delete the folder for a clean build).
+# from the llama-cpp-python source package on PyPI, which vendors llama.cpp. The sdist, the unpacked
+# and patched source, the build tree, and `bin/llama-server` + `bin/BUILD_INFO` land in $LLAMACPP_DIR
+# (git-ignored); the build tools (a venv with cmake, ninja and scikit-build-core from PyPI) in
+# $LLAMACPP_TOOLS, outside the project tree (default ~/.cache/pagedserve/llamacpp-tools). No
+# llama.cpp code is ever committed here. Re-running reuses what is there (delete the folders for a
+# clean build).
 #
 #   make peer-llamacpp                                # llama-cpp-python 0.3.36 (llama.cpp 0c1e57098)
 #   LLAMA_CPP_PYTHON_VERSION=0.3.37 make peer-llamacpp  # another release (the AMX patch must still apply)
@@ -15,19 +17,21 @@ DIR=$(mkdir -p "${LLAMACPP_DIR:-build/llamacpp}" && cd "${LLAMACPP_DIR:-build/ll
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 JOBS=${LLAMACPP_JOBS:-2}
 
-echo "== tools (cmake, ninja from PyPI) in $DIR/tools"
-if [ ! -x "$DIR/tools/bin/ninja" ]; then
-    "$PYTHON" -m venv "$DIR/tools"
-    "$DIR/tools/bin/pip" install -q cmake ninja scikit-build-core
+TOOLS=$(mkdir -p "${LLAMACPP_TOOLS:-$HOME/.cache/pagedserve/llamacpp-tools}" \
+    && cd "${LLAMACPP_TOOLS:-$HOME/.cache/pagedserve/llamacpp-tools}" && pwd)
+echo "== tools (cmake, ninja from PyPI) in $TOOLS"
+if [ ! -x "$TOOLS/bin/ninja" ]; then
+    "$PYTHON" -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install -q cmake ninja scikit-build-core
 fi
-export PATH="$DIR/tools/bin:$PATH"
+export PATH="$TOOLS/bin:$PATH"
 
 echo "== source: llama-cpp-python ${VERSION:-(newest)} sdist"
 mkdir -p "$DIR/sdist"
 if ! ls "$DIR"/sdist/llama_cpp_python-${VERSION:-*}.tar.gz >/dev/null 2>&1; then
     # --no-build-isolation: pip reads the sdist's metadata with the tools venv's scikit-build-core
     # instead of installing a second copy of the build backend.
-    "$DIR/tools/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
+    "$TOOLS/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
         -d "$DIR/sdist" "llama-cpp-python${VERSION:+==$VERSION}"
 fi
 SDIST=$(ls -t "$DIR"/sdist/llama_cpp_python-${VERSION:-*}.tar.gz | head -1)
@@ -65,7 +69,8 @@ echo "== configure + build llama-server (GGML_NATIVE=ON, $JOBS jobs; a few minut
 # GIT_CEILING_DIRECTORIES: llama.cpp's build-info asks git for its commit; without a ceiling git would
 # walk up into *our* repository and report our commit as llama.cpp's.
 export GIT_CEILING_DIRECTORIES="$DIR"
-cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+# CMAKE_MAKE_PROGRAM: the tools' ninja, also for a build tree configured with tools elsewhere.
+cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_MAKE_PROGRAM="$TOOLS/bin/ninja" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT="$COMMIT" >"$DIR/configure.log"
