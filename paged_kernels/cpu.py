@@ -399,8 +399,8 @@ def _step_plan(query: torch.Tensor, block_tables: torch.Tensor, query_start_loc:
         if len(row_seqs) < num_seqs:
             plan.rows = torch.tensor([qsl[s] + j for s in row_seqs for j in range(q_lens[s])], device=query.device)
     plan.chunks = [s for s in range(num_seqs) if not as_rows[s]]
-    plan.on_tiles = [s for s in plan.chunks if _takes_tiles(q_lens[s], lens[s])]
-    plan.off_tiles = [s for s in plan.chunks if not _takes_tiles(q_lens[s], lens[s])]
+    for s in plan.chunks:
+        (plan.on_tiles if _takes_tiles(q_lens[s], lens[s]) else plan.off_tiles).append(s)
     return plan
 
 

@@ -19,8 +19,9 @@
  *
  * Built where the compiler targets AMX-BF16 and AVX-512 BF16 (-march=native on such a CPU), and
  * with the tiles emulated where it targets AVX-512 BF16 alone (amx_tiles.h; amx_prefill_emulated()
- * says 1); elsewhere amx_prefill_available() says 0 and the caller keeps its other paths. The process must
- * be allowed to use the tile registers: the first call asks Linux (arch_prctl) and says 0 if refused.
+ * says 1); elsewhere amx_prefill_available() says 0 and the caller keeps its other paths. The
+ * process must be allowed to use the tile registers: the first call asks Linux (arch_prctl) and
+ * says 0 if refused.
  */
 #include <math.h>
 #include <stdint.h>

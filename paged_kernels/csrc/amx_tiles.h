@@ -74,8 +74,16 @@ static int amx_permitted(void) {
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
 }
+
+/* The tile instructions the kernels use: the hardware's. */
+#define tile_loadconfig(cfg) _tile_loadconfig(cfg)
+#define tile_zero(t) _tile_zero(t)
+#define tile_loadd(t, base, stride) _tile_loadd(t, base, stride)
+#define tile_stored(t, base, stride) _tile_stored(t, base, stride)
+#define tile_dpbf16ps(c, a, b) _tile_dpbf16ps(c, a, b)
+#define tile_release() _tile_release()
 #else
-static int amx_permitted(void) { return 1; }
+static inline int amx_permitted(void) { return 1; }
 
 /* The calling thread's eight tiles. A tile is 16 rows of 64 bytes in `data`, or, once loaded and
  * until a product adds into it, a view of the memory it was loaded from (`src`, `stride`): a load
@@ -174,17 +182,8 @@ static inline __attribute__((always_inline)) void amx_emu_dpbf16ps(int tc, int t
         AMX_EMU_ROWS(1);
 }
 
-#endif
 
-/* The tile instructions the kernels use: the hardware's, or their emulation above. */
-#if !AMX_TILES_EMULATED
-#define tile_loadconfig(cfg) _tile_loadconfig(cfg)
-#define tile_zero(t) _tile_zero(t)
-#define tile_loadd(t, base, stride) _tile_loadd(t, base, stride)
-#define tile_stored(t, base, stride) _tile_stored(t, base, stride)
-#define tile_dpbf16ps(c, a, b) _tile_dpbf16ps(c, a, b)
-#define tile_release() _tile_release()
-#else
+/* The tile instructions the kernels use, emulated. */
 #define tile_loadconfig(cfg) amx_emu_loadconfig((const struct amx_tile_config *)(cfg))
 #define tile_zero(t) amx_emu_zero(t)
 #define tile_loadd(t, base, stride) amx_emu_loadd((t), (base), (stride))
