@@ -276,7 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
     hf_config = load_hf_config(source)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, hf_config, device)
+    from peer_vllm import cpu_flags, cpu_model  # beside this script
+
     print(f"load average at start {os.getloadavg()} on {os.cpu_count()} CPUs: figures are noisy when it exceeds them")
+    print(f"CPU {cpu_model()}, flags {cpu_flags()}")
     gemm = None
     if device.type == "cpu":  # the compute limit's denominator, measured before anything else runs
         from compute_limit import gemm_rate
@@ -292,6 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     result: dict[str, Any] = {
         "model": args.model,
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "num_requests": len(requests),
         "seed": args.seed,
         "prompt_len_range": list(args.prompt_len),

@@ -257,7 +257,7 @@ def compare_served(model: str, bench_args: Sequence[str], *, max_num_seqs: int, 
     kv = f"{max(1, math.ceil(kv_cache_bytes / 2**30))}GiB"  # vLLM takes whole GiB: both get the same
     result: dict[str, Any] = {
         "model": model, "bench_args": list(bench_args), "load_average_at_start": list(os.getloadavg()),
-        "cpu_flags": cpu_flags(), "threads": threads, "load_time_excluded": True,
+        "cpu_flags": cpu_flags(), "cpu": cpu_model(), "threads": threads, "load_time_excluded": True,
         "settings": {"both": {"dtype": dtype, "max_num_seqs": max_num_seqs,
                               "max_num_batched_tokens": max_num_batched_tokens, "kv_cache": kv,
                               "prefix_caching": True, "chunked_prefill": True},
@@ -324,6 +324,20 @@ def cpu_flags() -> list[str]:
     except OSError:
         return []
     return sorted({f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in text})
+
+
+def cpu_model() -> str:
+    """The CPU's name with its family and model numbers: hosts that share a name ("AMD EPYC") can be
+    different cores (family 25 is AMD's Zen 4, with half the bf16 rate of family 26, Zen 5)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 def plot_served(result: dict[str, Any], path: Path) -> None:

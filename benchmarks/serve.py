@@ -546,7 +546,7 @@ def serve_vs_peer(args: argparse.Namespace, bench_args: list[str]) -> int:
         print(f"{name:10s} {r['output_throughput']:8.1f} output tok/s  TTFT median {r['median_ttft_ms']:8.1f} ms "
               f"p99 {r['p99_ttft_ms']:8.1f}  TPOT median {r['median_tpot_ms']:6.1f} ms  completed {r['completed']}")
     print(f"pagedserve / vLLM: {result['ratios']}; load average at start {result['load_average_at_start']}, "
-          f"CPU flags {result['cpu_flags']}; wrote {result['path']}")
+          f"CPU {result['cpu']}, flags {result['cpu_flags']}; wrote {result['path']}")
     return 0
 
 

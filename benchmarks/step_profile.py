@@ -161,6 +161,8 @@ def install(llm: Any) -> Iterator[StepProfile]:
         import paged_kernels.cpu as cpu
 
         targets.append((cpu, "_native_prefill", w("attention prefill (cpu: C kernel)", cpu._native_prefill)))
+        # the chunks of a step that go on the tiles (AMX, or emulated on AVX512-BF16), in one call
+        targets.append((cpu, "_amx_prefill_batch", w("attention prefill (cpu: tiles)", cpu._amx_prefill_batch)))
         targets.append((cpu, "_prefill", w("attention prefill (cpu: gather + SDPA)", cpu._prefill)))
         targets.append((cpu, "_native_decode", w("attention decode (cpu: C kernel)", cpu._native_decode)))
     with _patched(targets):
