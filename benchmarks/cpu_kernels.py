@@ -296,7 +296,8 @@ def tiles(rounds: int) -> None:
     kind = "emulated with AVX512-BF16" if cpu.tiles_emulated() else "AMX"
     print(f"bf16 attention on tiles ({kind}) against the row kernel, one layer, {torch.get_num_threads()} threads, "
           f"medians of {rounds} rounds:")
-    for q_len, ctx in [(8, 0), (16, 0), (64, 0), (256, 0), (512, 0), (8, 1024), (16, 1024), (64, 1024)]:
+    for q_len, ctx in [(8, 0), (16, 0), (32, 0), (64, 0), (256, 0), (512, 0), (8, 256), (8, 512), (8, 1024),
+                       (16, 128), (16, 256), (16, 1024), (32, 64), (32, 128), (64, 1024)]:
         seq_len = ctx + q_len
         table = torch.randperm(blocks, generator=gen)[: -(-seq_len // BLOCK)].to(torch.int32)
         query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)

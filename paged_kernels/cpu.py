@@ -175,11 +175,11 @@ _AMX_PACKED_BUDGET = 128 << 20
 # With the tiles emulated (AVX512-BF16 without AMX: csrc/amx_tiles.h) a 16-row tile costs its full
 # work whatever rows it holds, and a call packs its blocks first: a chunk takes the tiles from 16 rows
 # and this many (query row, key position) pairs (python benchmarks/cpu_kernels.py --part tiles, against
-# the row kernel on a 2-core AMD EPYC with AVX512-BF16, one layer of SmolLM2-135M: 256 x 256 1.51x,
-# 512 x 512 1.68x, 64 rows over 1,088 positions 1.63x, 16 over 1,040 1.52x, 64 x 64 0.92x, 16 x 16
-# 0.43x, 8 over 1,032 0.79x).
+# the row kernel on a 2-core AMD EPYC (Zen 5) with AVX512-BF16, one layer of SmolLM2-135M: 16 rows
+# over 144 positions 1.17x, 32 over 96 1.07x, 64 x 64 1.23x, 256 x 256 2.15x, 64 over 1,088 2.18x;
+# 32 x 32 0.85x, 16 x 16 0.57x, 8 over 1,032 1.03x, 8 over 520 0.92x).
 _EMULATED_MIN_ROWS = 16
-_EMULATED_MIN_PAIRS = 8192
+_EMULATED_MIN_PAIRS = 2048
 
 
 def tiles_emulated() -> bool:

@@ -212,6 +212,20 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
     /* keys the block's last real token attends: [0, ctx + i0 + rows) */
     const int64_t num_keys = ctx + i0 + rows;
     const int num_kblocks = (int)((num_keys + KB - 1) / KB);
+#if AMX_TILES_EMULATED
+    /* Emulated tiles: each block's scores and P V as fused products (amx_tiles.h's emu_scores32,
+     * emu_pv32), O in memory; the same chains as the tile products, block after block. */
+    (void)tmp;
+    memset(o, 0, (size_t)QB * D * sizeof(float));
+    for (int b = 0; b < num_kblocks; b++) {
+        const char *slot = packed_block(c, s, kv, b);
+        const uint32_t *kt = (const uint32_t *)slot;
+        emu_scores32(sc[0], KB, qbase, qstride / 2, kt, kt + halves * 256, halves);
+        if (block_softmax(c, sc[0], p, m, threshold, alpha, lacc, ctx, i0, b) && b > 0)
+            rescale_rows(o, alpha, D); /* some row's maximum rose: its sums so far scale down */
+        emu_pv32(o, D, p, KB, (const bf16_t *)(slot + stride / 2), dtiles);
+    }
+#else
     if (D == 64) {
         tile_zero(T_O0);
         tile_zero(T_O1);
@@ -272,6 +286,7 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
             }
         }
     }
+#endif
     for (int r = 0; r < rows; r++) {
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(lacc + r * 16)));
         bf16_t *dst = c->out + (s->row + i0 + r) * c->o_tok + head * c->o_head;

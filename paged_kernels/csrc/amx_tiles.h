@@ -10,9 +10,11 @@
  * (tile_loadconfig, tile_zero, tile_loadd, tile_stored, tile_dpbf16ps, tile_release: GCC's _tile_*
  * intrinsics where there is AMX) are done in software on eight 1 KB tiles per thread, a tile
  * product as VDPBF16PS over its 16 pairs (the B tile in 16 registers, each row of A broadcast a pair
- * at a time). Much slower than a tile unit, but the kernels' packed layouts make it a GEMM at
- * AVX-512 BF16's rate, which the row-at-a-time kernels beside them are not (1.5-1.7x them on a
- * 2-core AMD EPYC: python benchmarks/cpu_kernels.py --part tiles). Only the shapes these kernels
+ * at a time); the attention kernels' two products (scores, P V) have fused forms below
+ * (emu_scores32, emu_pv32) that their emulated paths call instead. Much slower than a tile unit, but
+ * the kernels' packed layouts make it a GEMM at AVX-512 BF16's rate, which the row-at-a-time kernels
+ * beside them are not (2.0-2.6x them for long chunks on a 2-core AMD EPYC, Zen 5: python
+ * benchmarks/cpu_kernels.py --part tiles). Only the shapes these kernels
  * configure are done: rows of 64 bytes (16 fp32 or 32 bf16), up to 16 rows. A row of C takes its 16
  * pairs in order in one fp32 chain (VDPBF16PS adds a pair's two products, then the sum, rounding to
  * nearest and treating denormals as zero): a row's result depends on that row and the tile it is
@@ -180,6 +182,68 @@ static inline __attribute__((always_inline)) void amx_emu_dpbf16ps(int tc, int t
         AMX_EMU_ROWS(4);
     for (; r < rows; r++)
         AMX_EMU_ROWS(1);
+}
+
+/* The two products the attention kernels are made of, for their emulated paths: a tile product
+ * emulated alone reads each broadcast A pair once for one B register and keeps eight chains, which
+ * on a CPU with two 512-bit VDPBF16PS pipes (AMD Zen 5) is bound by loads and latency; fused over
+ * the tiles that share A, a broadcast feeds two or four products and sixteen chains run at once.
+ * Each value is the same fp32 chain, in the same pair order, as the tile products it replaces. */
+
+/* s[r][0..32) = Q[r] . K for 16 query rows (q: bf16, q_stride elements a row, 32 * halves head
+ * dims) against 32 keys packed by amx_pack_k16 (keys 0-15 at k0, 16-31 at k1, the head dims' halves
+ * 256 words apart); s: fp32, s_stride floats a row. */
+static inline __attribute__((always_inline)) void emu_scores32(float *s, int64_t s_stride, const bf16_t *q,
+                                                                int64_t q_stride, const uint32_t *k0,
+                                                                const uint32_t *k1, int halves) {
+    for (int r0 = 0; r0 < 16; r0 += 8) {
+        __m512 lo[8], hi[8];
+        for (int i = 0; i < 8; i++)
+            lo[i] = hi[i] = _mm512_setzero_ps();
+        for (int h = 0; h < halves; h++)
+            for (int k = 0; k < 16; k++) {
+                const __m512bh b0 = (__m512bh)_mm512_load_si512(k0 + h * 256 + k * 16);
+                const __m512bh b1 = (__m512bh)_mm512_load_si512(k1 + h * 256 + k * 16);
+                for (int i = 0; i < 8; i++) {
+                    const __m512bh a = (__m512bh)_mm512_set1_epi32(
+                        (int)((const uint32_t *)(q + (r0 + i) * q_stride + h * 32))[k]);
+                    lo[i] = _mm512_dpbf16_ps(lo[i], a, b0);
+                    hi[i] = _mm512_dpbf16_ps(hi[i], a, b1);
+                }
+            }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(s + (r0 + i) * s_stride, lo[i]);
+            _mm512_storeu_ps(s + (r0 + i) * s_stride + 16, hi[i]);
+        }
+    }
+}
+
+/* o[r][0..16 dtiles) += P[r] . V for 16 rows: P 32 bf16 weights a row (p_stride elements), V packed
+ * by amx_pack_v32 (dtiles tiles of 512 at vv, dtiles a multiple of 4); o: fp32, o_stride floats a
+ * row. */
+static inline __attribute__((always_inline)) void emu_pv32(float *o, int64_t o_stride, const bf16_t *p,
+                                                            int64_t p_stride, const bf16_t *vv, int dtiles) {
+    for (int t0 = 0; t0 < dtiles; t0 += 4)
+        for (int r0 = 0; r0 < 16; r0 += 4) {
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++)
+                    acc[i][j] = _mm512_loadu_ps(o + (r0 + i) * o_stride + (t0 + j) * 16);
+            for (int k = 0; k < 16; k++) {
+                __m512bh b[4];
+                for (int j = 0; j < 4; j++)
+                    b[j] = (__m512bh)_mm512_load_si512(vv + (t0 + j) * 512 + k * 32);
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh a =
+                        (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(p + (r0 + i) * p_stride))[k]);
+                    for (int j = 0; j < 4; j++)
+                        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++)
+                    _mm512_storeu_ps(o + (r0 + i) * o_stride + (t0 + j) * 16, acc[i][j]);
+        }
 }
 
 

@@ -94,7 +94,7 @@ def test_bf16_chunks_of_8_rows_or_more_take_the_tiles(paged_batch, monkeypatch, 
 @pytest.mark.parametrize("emulated", [False, True], ids=["amx", "emulated"])
 def test_which_chunks_take_the_tiles(paged_batch, monkeypatch, emulated):
     """On AMX a chunk of 8 rows or more takes the tiles; on emulated tiles (a tile costs its full work
-    whatever rows it holds) 16 rows or more and 8,192 (row, position) pairs or more; chunks shorter
+    whatever rows it holds) 16 rows or more and 2,048 (row, position) pairs or more; chunks shorter
     than the tiles' fewest rows go to the row kernel with the decode rows."""
     monkeypatch.setattr(cpu, "tiles_emulated", lambda: emulated)
     q_lens, seq_lens = [100, 8, 20, 16, 12, 1], [300, 1000, 30, 1040, 500, 77]
