@@ -214,16 +214,29 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
     const int num_kblocks = (int)((num_keys + KB - 1) / KB);
 #if AMX_TILES_EMULATED
     /* Emulated tiles: each block's scores and P V as fused products (amx_tiles.h's emu_scores32,
-     * emu_pv32), O in memory; the same chains as the tile products, block after block. */
+     * emu_pv32), O in memory; the same chains as the tile products, block after block. The weights
+     * of block b + 1 are made before block b's P V, which so reads weights stored a block earlier: read
+     * straight after their store, each broadcast 4-byte pair waits for its 64-byte store to land (a
+     * block's P V took longer than its scores and softmax together). */
     (void)tmp;
+    bf16_t p_next[QB * KB] __attribute__((aligned(64)));
+    float alpha_next[QB] __attribute__((aligned(64)));
+    bf16_t *pw[2] = {p, p_next};
+    float *aw[2] = {alpha, alpha_next};
+    int rescaled[2];
     memset(o, 0, (size_t)QB * D * sizeof(float));
-    for (int b = 0; b < num_kblocks; b++) {
-        const char *slot = packed_block(c, s, kv, b);
-        const uint32_t *kt = (const uint32_t *)slot;
-        emu_scores32(sc[0], KB, qbase, qstride / 2, kt, kt + halves * 256, halves);
-        if (block_softmax(c, sc[0], p, m, threshold, alpha, lacc, ctx, i0, b) && b > 0)
-            rescale_rows(o, alpha, D); /* some row's maximum rose: its sums so far scale down */
-        emu_pv32(o, D, p, KB, (const bf16_t *)(slot + stride / 2), dtiles);
+    for (int b = -1; b < num_kblocks; b++) {
+        if (b + 1 < num_kblocks) { /* block b + 1's weights */
+            const int n = (b + 1) & 1;
+            const uint32_t *kt = (const uint32_t *)packed_block(c, s, kv, b + 1);
+            emu_scores32(sc[n], KB, qbase, qstride / 2, kt, kt + halves * 256, halves);
+            rescaled[n] = block_softmax(c, sc[n], pw[n], m, threshold, aw[n], lacc, ctx, i0, b + 1);
+        }
+        if (b < 0)
+            continue;
+        if (rescaled[b & 1] && b > 0)
+            rescale_rows(o, aw[b & 1], D); /* some row's maximum rose: its sums so far scale down */
+        emu_pv32(o, D, pw[b & 1], KB, (const bf16_t *)(packed_block(c, s, kv, b) + stride / 2), dtiles);
     }
 #else
     if (D == 64) {
