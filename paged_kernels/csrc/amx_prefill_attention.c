@@ -216,8 +216,8 @@ static void query_block(const struct call *c, const struct chunk *s, int head, i
     /* Emulated tiles: each block's scores and P V as fused products (amx_tiles.h's emu_scores32,
      * emu_pv32), O in memory; the same chains as the tile products, block after block. The weights
      * of block b + 1 are made before block b's P V, which so reads weights stored a block earlier: read
-     * straight after their store, each broadcast 4-byte pair waits for its 64-byte store to land (a
-     * block's P V took longer than its scores and softmax together). */
+     * straight after their store, each broadcast 4-byte pair waits for its 64-byte store to land
+     * (64 tokens after 1,024 cached: 0.323 ms a layer that way, 0.299 this way, on an AMD Zen 5). */
     (void)tmp;
     bf16_t p_next[QB * KB] __attribute__((aligned(64)));
     float alpha_next[QB] __attribute__((aligned(64)));
