@@ -326,13 +326,16 @@ def cpu_flags() -> list[str]:
     return sorted({f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f" {f}" in text})
 
 
-def cpu_model() -> str:
-    """The CPU's name with its family and model numbers: hosts that share a name ("AMD EPYC") can be
-    different cores (family 25 is AMD's Zen 4, with half the bf16 rate of family 26, Zen 5)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's name with its family and model numbers (from ``cpuinfo``'s text, /proc/cpuinfo by
+    default): hosts that share a name ("AMD EPYC") can be different cores (family 25 is AMD's Zen 4,
+    with half the bf16 rate of family 26, Zen 5)."""
+    text = cpuinfo
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "unknown"
     fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")

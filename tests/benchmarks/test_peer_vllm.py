@@ -65,3 +65,11 @@ def test_vllm_runs_bound_to_the_allowed_cpus_with_our_kv_budget_and_tcmalloc(mon
 def test_a_missing_venv_says_how_to_install_it(tmp_path):
     with pytest.raises(peer.PeerError, match="make peer-vllm"):
         peer.python(tmp_path)
+
+
+def test_the_cpu_is_named_with_its_family_and_model():
+    """Hosts named alike ("AMD EPYC") differ by family: the results record it (the first processor's)."""
+    cpuinfo = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+               "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n")
+    assert peer.cpu_model(cpuinfo) == "AMD EPYC (family 26, model 2)"
+    assert peer.cpu_model("flags\t: avx2\n") == "? (family ?, model ?)"
