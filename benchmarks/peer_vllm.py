@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_DIR = HERE.parent / "build" / "vllm"
+# Outside the project tree (a third-party venv of 3.5 GB; make peer-vllm installs it there):
+# $VLLM_DIR, default ~/.cache/pagedserve/vllm, as benchmarks/build_vllm.sh.
+DEFAULT_DIR = Path(os.environ.get("VLLM_DIR") or Path.home() / ".cache" / "pagedserve" / "vllm")
 BUILD_HINT = "install it with `make peer-vllm`"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
