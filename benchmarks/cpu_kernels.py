@@ -220,16 +220,12 @@ def prefill(rounds: int) -> None:
             scale = HEAD_DIM ** -0.5
             cases = {"gather + SDPA": functools.partial(cpu._prefill, query, k, v, table, tokens, scale),
                      "C kernel": functools.partial(cpu._native_prefill, query, k, v, table, tokens, scale, out)}
-            times: dict[str, list[float]] = {name: [] for name in cases}
-            repeat = max(2, 4096 // tokens)
-            for r in range(rounds):
-                for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
-                    times[name].append(_timed(fn, repeat))
+            times = _alternating_medians(rounds, cases, max(2, 4096 // tokens))
             flops = 4 * HEADS * tokens * tokens * HEAD_DIM / 2
             cases["C kernel"]()
             diff = (cases["gather + SDPA"]().float() - out.float()).abs().max().item()
             print(f"  {str(dtype).removeprefix('torch.'):>8} {tokens:>5} tokens: " + ", ".join(
-                f"{name} {statistics.median(t) * 1e3:.3f} ms ({flops / statistics.median(t) / 1e9:.0f} GFLOP/s)"
+                f"{name} {t * 1e3:.3f} ms ({flops / t / 1e9:.0f} GFLOP/s)"
                 for name, t in times.items()) + f"; largest difference {diff:.1e}")
 
 
@@ -264,21 +260,18 @@ def shared_prefix_step(rounds: int) -> None:
             rows = slice(starts[s], starts[s + 1])
             cpu._amx_prefill(query[rows], k, v, tables[s], lens[s], scale, out[rows])
 
-    cases = {"one call per chunk": per_chunk, "one call for the step": one_call}
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for r in range(rounds):
-        for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
-            times[name].append(_timed(fn, 4))
+    times = _alternating_medians(rounds, {"one call per chunk": per_chunk, "one call for the step": one_call}, 4)
     print(f"shared-prefix prefill step (one layer: {chunks} chunks of {new} tokens after 4 cached prefixes of "
-          f"{prefix}), bf16 on tiles: " + ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} ms"
-                                                        for name, t in times.items()))
+          f"{prefix}), bf16 on tiles: " + ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()))
 
 
-def _tile_cases(rounds: int, cases: dict) -> dict[str, float]:
+def _alternating_medians(rounds: int, cases: dict, repeat: int) -> dict[str, float]:
+    """Each case's median seconds a call (``repeat`` calls a round), the cases taken in turn, their
+    order reversed every other round."""
     times: dict[str, list[float]] = {name: [] for name in cases}
     for r in range(rounds):
         for name, fn in (list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))):
-            times[name].append(_timed(fn, 10))
+            times[name].append(_timed(fn, repeat))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -303,10 +296,10 @@ def tiles(rounds: int) -> None:
         query = torch.randn(q_len, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
         out = torch.empty_like(query)
         lengths = torch.arange(ctx + 1, seq_len + 1, dtype=torch.int32)
-        t = _tile_cases(rounds, {
+        t = _alternating_medians(rounds, {
             "rows": lambda: cpu._run(fn, query, k, v, table, 0, lengths, scale, out),
             "tiles": lambda: cpu._amx_prefill_batch(query, k, v, table[None], [0], [0], [q_len], [seq_len], scale, out),
-        })
+        }, 10)
         print(f"  prefill chunk of {q_len:>3} tokens after {ctx:>4} cached: rows {t['rows'] * 1e3:.3f} ms, "
               f"tiles {t['tiles'] * 1e3:.3f} ms ({t['rows'] / t['tiles']:.2f}x)")
     for num_seqs, prefixes in [(64, 4), (16, 1), (4, 1)]:
@@ -317,9 +310,9 @@ def tiles(rounds: int) -> None:
         lens = torch.full((num_seqs,), prefix + 40, dtype=torch.int32)
         query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
         out = torch.empty_like(query)
-        t = _tile_cases(rounds, {
+        t = _alternating_medians(rounds, {
             name: functools.partial(cpu._run, fn, query, k, v, tables, tables.stride(0), lens, scale, out, tiles=on)
-            for name, on in (("rows", False), ("tiles", True))})
+            for name, on in (("rows", False), ("tiles", True))}, 10)
         print(f"  {num_seqs:>2} decode rows over {prefixes} shared prefix(es) of {prefix}: "
               f"rows {t['rows'] * 1e3:.3f} ms, tiles {t['tiles'] * 1e3:.3f} ms ({t['rows'] / t['tiles']:.2f}x)")
 
