@@ -122,8 +122,8 @@ class WorkerConfig(ServerConfig, MetricsConfig, RedisConfig, InternalLinkConfig)
     heartbeat_ttl_s: float = setting(10.0, minimum=1, help="registry entry lifetime in seconds; refreshed every "
                                                            "third of it")
     bind_cpu_threads: bool = setting(True, help="CPU worker using every allowed CPU: pin the forward pass's OpenMP "
-                                                "threads one per CPU and the gRPC/event-loop threads to the runner's "
-                                                "CPU (worker_service/cpu_affinity.py)")
+                                                "threads one per CPU and the gRPC/event-loop threads to the last "
+                                                "one's CPU, never the runner thread's (worker_service/cpu_affinity.py)")
     step_delay_s: float = setting(0.0, minimum=0, help="testing only: sleep this long after every step (throttles "
                                                        "generation so chaos tests can kill processes mid-generation)")
     # SIMULATION (benchmarks/scale.py only): (a, b) replaces the model by a sleep of a + b x tokens.

@@ -57,7 +57,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin two threads apart")
-def test_worker_threads_pinned_team_apart_service_threads_with_the_runner():
+def test_worker_threads_pinned_team_apart_service_threads_with_a_helper():
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert done.returncode == 0, done.stderr
@@ -66,9 +66,9 @@ def test_worker_threads_pinned_team_apart_service_threads_with_the_runner():
     masks = {k: v for k, v in result["masks"].items() if k != "later"}
     first, second = sorted(os.sched_getaffinity(0))[:2]
     runner, main, service = str(result["runner"]), str(result["main"]), str(result["service"])
-    assert masks[runner] == [first]  # team thread 0: the runner thread
-    assert masks[main] == [first] and masks[service] == [first]  # service threads share the runner's CPU
-    assert sorted(m[0] for m in masks.values() if len(m) == 1 and m != [first]) == [second]  # one helper alone
+    assert masks[runner] == [first]  # team thread 0: the runner thread, alone on its CPU
+    assert [tid for tid, m in masks.items() if m == [first]] == [runner]
+    assert masks[main] == [second] and masks[service] == [second]  # service threads share the helper's CPU
     assert all(len(m) == 1 for m in masks.values())  # no thread left floating
-    assert result["masks"]["later"] == [first]  # threads started later inherit the service CPU
+    assert result["masks"]["later"] == [second]  # threads started later inherit the service CPU
     assert result["matmul"] == 512.0 ** 3  # torch still computes on the pinned team
