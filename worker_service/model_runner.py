@@ -241,7 +241,9 @@ class ModelRunner:
     def _continue(self, so: SchedulerOutput) -> SchedulerOutput:
         """A continuation as this worker runs it (``servicekit.contract.step``): each request
         decodes its last known token, then the drafts proposed for it with the previous step's
-        answer, up to ``num_own_drafts`` (fewer when the previous step's tokens left fewer)."""
+        answer, up to ``num_own_drafts`` (fewer when the previous step's tokens left fewer). A
+        request that has all of its ``max_tokens`` (its drafts were accepted in the previous step)
+        is skipped: it is finished, and a token computed for it would be dropped."""
         if so.scheduled_new_reqs or so.scheduled_spec_decode_tokens:
             raise ValueError("a continuation with new requests or scheduled draft tokens")
         batch = self.batch
@@ -250,19 +252,22 @@ class ModelRunner:
             raise ValueError("a continuation schedules one token for each request it holds, and nothing else")
         rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
         batch.num_computed_tokens[rows] = batch.num_tokens[rows] - 1
+        num_outputs = (batch.num_tokens[rows] - batch.num_prompt_tokens[rows]).tolist()
+        ended = {rid for rid, row, n in zip(req_ids, rows.tolist(), num_outputs)
+                 if n >= batch.sampling_params[row].max_tokens}
         spec: dict[str, list[int]] = {}
         if so.num_own_drafts:
             for rid, row in zip(req_ids, rows.tolist()):
                 proposal = self._own_drafts.get(rid)
-                if proposal is not None and proposal[0] == batch.num_tokens[row]:
+                if proposal is not None and proposal[0] == batch.num_tokens[row] and rid not in ended:
                     spec[rid] = proposal[1][:so.num_own_drafts]
-        if not spec:
+        if not spec and not ended:
             return so
-        num_scheduled = dict(so.num_scheduled_tokens)
+        num_scheduled = {rid: n for rid, n in so.num_scheduled_tokens.items() if rid not in ended}
         for rid, drafts in spec.items():
             num_scheduled[rid] += len(drafts)
         return replace(so, num_scheduled_tokens=num_scheduled, scheduled_spec_decode_tokens=spec,
-                       total_num_scheduled_tokens=so.total_num_scheduled_tokens + sum(map(len, spec.values())))
+                       total_num_scheduled_tokens=sum(num_scheduled.values()))
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, bs = self.batch, self.block_size

@@ -316,13 +316,15 @@ class Scheduler:
         rewritten later, as in any step with drafts). ``num_own_drafts`` is the longest proposal
         this worker has made, within the token budget.
 
-        One that may reach ``max_tokens`` in ``in_flight`` is left out. A request that stops in
-        ``in_flight`` computes a token or a few too many: ``update_from_output`` drops them (it is
-        finished by then) and the next plan lists it in ``finished_req_ids``. Blocks this plan
-        allocates hold tokens not known here, so they enter the prefix cache only once those
-        tokens are appended (``cache_blocks`` covers blocks with known hashes only). Too few free
-        blocks returns None, allocating nothing (every block a request holds must reach the
-        worker in some plan's ``new_block_ids``).
+        One whose token sampled in ``in_flight`` is certainly its last (``max_tokens``) is left out.
+        One that may reach ``max_tokens`` there (its drafts) decodes on: the worker, which knows how
+        many were accepted, computes nothing for a request that has all of its ``max_tokens``. A
+        request that stops in ``in_flight`` on a stop token computes a token or a few too many:
+        ``update_from_output`` drops them (it is finished by then) and the next plan lists it in
+        ``finished_req_ids``. Blocks this plan allocates hold tokens not known here, so they enter
+        the prefix cache only once those tokens are appended (``cache_blocks`` covers blocks with
+        known hashes only). Too few free blocks returns None, allocating nothing (every block a
+        request holds must reach the worker in some plan's ``new_block_ids``).
 
         Call it at most once per step in flight, after the ``update_from_output`` of every step
         before it and before its own."""
@@ -354,10 +356,10 @@ class Scheduler:
                     # Not in the step (budget), or a partial prefill chunk: schedule() plans it.
                     return None
                 gained = 1 + drafts
-            if request.num_output_tokens + gained >= request.max_tokens:
-                continue  # its tokens in flight may be its last
+            if request.num_output_tokens + 1 >= request.max_tokens:
+                continue  # its token in flight is its last
             # slots up to its last token after ``in_flight`` and the drafts after that, within
-            # the most tokens it can ever hold
+            # the most tokens it can ever hold (if its drafts in flight end it, the worker skips it)
             need = min(num_tokens + gained + own, request.num_prompt_tokens + request.max_tokens) \
                 - request.num_computed_tokens
             growing.append((request, need, num_tokens))

@@ -39,7 +39,9 @@ Invariants a worker may rely on:
   one that holds), and after it up to ``num_own_drafts`` draft tokens of its own proposal from
   that step's answer, within ``SamplingParams.max_drafts``, verified as above
   (``num_scheduled_tokens`` stays 1: the answer's token count says how many were accepted).
-  The plan's blocks cover every position such a step may compute.
+  A request that has all of its ``max_tokens`` after that step (its drafts there were accepted)
+  is skipped: nothing computed, nothing sampled. The plan's blocks cover every position such a
+  step may compute.
 """
 
 from __future__ import annotations

@@ -215,6 +215,31 @@ def test_a_continuation_decodes_the_workers_last_token_and_its_own_drafts(hf):
         assert runner.execute_model(plan).sampled_token_ids["a"] == expected[1 + len(kept):2 + len(kept)]
 
 
+def test_a_continuation_skips_a_request_that_has_all_of_its_max_tokens(hf):
+    # planned while a's drafts were in flight: they were all accepted, so a has its 4 tokens; the
+    # worker computes only b (no slot past a's last token is written) and samples only b
+    prompts = random_prompts([9, 7], seed=6)
+    expected = hf_greedy(hf, prompts[0], 4)
+    runner = make_runner(hf)
+    first = runner.execute_model(step([new_req("a", prompts[0], [1, 2, 3, 4], max_tokens=4),
+                                       new_req("b", prompts[1], [5, 6, 7, 8])], num_scheduled={"a": 9, "b": 7}))
+    assert first.sampled_token_ids["a"] == expected[:1]
+    plan = step(cached=[("a", [], 9), ("b", [], 7)], num_scheduled={"a": 3, "b": 1})
+    plan.scheduled_spec_decode_tokens = {"a": expected[1:3]}
+    assert runner.execute_model(plan).sampled_token_ids["a"] == expected[1:4]  # a has its 4 tokens
+    kv_before = [k.clone() for k, _ in runner.kv_caches]
+    plan = step(cached=[("a", [], 10), ("b", [], 8)], num_scheduled={"a": 1, "b": 1})
+    plan.continuation, plan.num_own_drafts = True, 3
+    out = runner.execute_model(plan)
+    assert set(out.sampled_token_ids) == {"b"}
+    a_blocks = torch.tensor([1, 2, 3, 4])
+    assert all(torch.equal(k[a_blocks], before[a_blocks]) for (k, _), before in zip(runner.kv_caches, kv_before))
+    # a continuation of only such requests computes nothing
+    plan = step(cached=[("a", [], 10)], num_scheduled={"a": 1})
+    plan.continuation = True
+    assert runner.execute_model(plan).sampled_token_ids == {}
+
+
 def test_a_continuation_takes_only_drafts_for_the_tokens_the_worker_holds(hf):
     prompt = random_prompts([9], seed=6)[0]
     expected = hf_greedy(hf, prompt, 3)

@@ -127,6 +127,7 @@ class FakeWorker:
     kv: list = field(default_factory=list)
     # its latest answer's drafts: request id -> (token count they follow, drafts)
     proposed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    num_skipped: int = 0  # continuation rows skipped: the request had all of its max_tokens
 
     def __post_init__(self) -> None:
         self.kv = [None] * (self.num_blocks * self.block_size)
@@ -174,6 +175,11 @@ class FakeWorker:
         num_scheduled = out.num_scheduled_tokens
         if out.continuation:
             assert not spec and not out.scheduled_new_reqs and set(num_scheduled.values()) <= {1}
+            # one whose drafts gave it all of its max_tokens in the previous step is skipped
+            num_scheduled = {rid: n for rid, n in num_scheduled.items()
+                             if len(self.held[rid].token_ids) - self.held[rid].num_prompt_tokens
+                             < self.held[rid].params.max_tokens}
+            self.num_skipped += len(out.num_scheduled_tokens) - len(num_scheduled)
             # its own drafts, from its previous answer, for the tokens it holds now
             spec = {rid: drafts[:out.num_own_drafts] for rid, (count, drafts) in self.proposed.items()
                     if rid in num_scheduled and count == len(self.held[rid].token_ids) and out.num_own_drafts}

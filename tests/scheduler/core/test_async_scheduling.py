@@ -17,6 +17,7 @@ import pytest
 from scheduler_service.core import FinishReason, ModelRunnerOutput
 
 from .helpers import EOS, FakeWorker, make_request, make_scheduler, model_output
+from .test_speculation import looping_model
 
 SHARED_PREFIXES = [[11 + i for i in range(n)] for n in (0, 8, 13, 24)]
 
@@ -69,6 +70,48 @@ def test_a_request_whose_token_in_flight_is_its_last_is_left_out():
     assert set(second.num_scheduled_tokens) == {b.request_id}
     results = {o.request_id: o for o in s.update_from_output(first, model_output(s, first))}
     assert results[a.request_id].finish_reason == FinishReason.LENGTH
+
+
+def drafted_near_its_end():
+    """a (5 outputs at most) has 2 outputs and 2 drafts in flight, b goes on: (scheduler, a, b, the
+    step in flight, its continuation)."""
+    s = make_scheduler()
+    a, b = make_request(5, max_tokens=5, ignore_eos=True), make_request(5, max_tokens=20, ignore_eos=True)
+    decoding(s, a, b)
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled_token_ids={a.request_id: [7], b.request_id: [7]},
+                                                         spec_token_ids={a.request_id: [5, 6, 7]}))
+    first = s.schedule()
+    assert first.scheduled_spec_decode_tokens == {a.request_id: [5, 6]}  # within max_tokens
+    return s, a, b, first, s.schedule_continuation(first)
+
+
+def test_one_whose_drafts_in_flight_may_end_it_decodes_on():
+    # its drafts rejected, a goes on in the plan made while they were in flight: no lockstep step
+    s, a, b, first, second = drafted_near_its_end()
+    assert set(second.num_scheduled_tokens) == {a.request_id, b.request_id}
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={a.request_id: [9], b.request_id: [9]}))
+    out = {o.request_id: o for o in s.update_from_output(second, model_output(s, second, 12))}
+    assert out[a.request_id].new_token_ids == [12] and a.output_token_ids == [100, 7, 9, 12]
+    # a holds slots up to its last token (5 prompt + 5 outputs) and no further
+    bs = s.kv_cache_manager.block_size
+    assert len(s.kv_cache_manager.req_to_blocks[a.request_id]) == -(-(5 + 5) // bs)
+
+
+def test_one_whose_drafts_in_flight_ended_it_is_dropped_from_the_plan_made_before():
+    # both drafts accepted: a has its 5 tokens after ``first`` and is finished, its blocks (the
+    # plan's too) free; the worker skips it in ``second`` (it knows a has all of its max_tokens),
+    # and the next plan tells the worker a is finished
+    s, a, b, first, second = drafted_near_its_end()
+    kv = s.kv_cache_manager
+    ended = {o.request_id: o for o in s.update_from_output(
+        first, ModelRunnerOutput(sampled_token_ids={a.request_id: [5, 6, 8], b.request_id: [9]}))}
+    assert ended[a.request_id].finish_reason == FinishReason.LENGTH and a.output_token_ids == [100, 7, 5, 6, 8]
+    assert a.request_id not in kv.req_to_blocks
+    kv.block_pool.check_invariants()
+    worker_answer = ModelRunnerOutput(sampled_token_ids={b.request_id: [10]})  # a skipped
+    assert [o.request_id for o in s.update_from_output(second, worker_answer)] == [b.request_id]
+    third = s.schedule()
+    assert a.request_id in third.finished_req_ids and a.request_id not in third.num_scheduled_tokens
 
 
 def test_no_plan_while_the_results_decide_it():
@@ -154,14 +197,18 @@ def expected_tokens(rid: str, max_tokens: int, ignore_eos: bool, min_tokens: int
 
 
 def simulate(num_requests: int, seed: int, *, pipelined: bool, abort_rate: float = 0.0, burst: bool = False,
-             tenants: int = 0, num_drafts: int = 0, **config):
+             tenants: int = 0, num_drafts: int = 0, workers: list | None = None, model=None, **config):
     """Random arrivals and aborts between steps; with ``pipelined`` the step after each one in
     flight is planned before its results (as the engine loop does), and the worker runs what it was
     sent in order. Returns (delivered tokens by id, finish reasons by id, steps, steps planned ahead,
-    the scheduler)."""
+    the scheduler); the FakeWorker is appended to ``workers`` when given. ``model``: the fake model
+    (default ``token_fn``)."""
     rng = random.Random(seed)
     s = make_scheduler(seed_rng=random.Random(seed), **config)
-    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, token_fn, check_every=1, num_drafts=num_drafts)
+    worker = FakeWorker(s.worker.num_blocks, s.worker.block_size, model or token_fn, check_every=1,
+                        num_drafts=num_drafts)
+    if workers is not None:
+        workers.append(worker)
     arrivals: dict[int, list] = {}
     for k in range(num_requests):
         prompt = rng.choice(SHARED_PREFIXES) + [rng.randrange(10, 60) for _ in range(rng.randint(1, 40))]
@@ -235,14 +282,21 @@ def test_pipelined_steps_deliver_what_lockstep_steps_deliver(config):
           f"{s.num_preemptions} preemptions, prefix hits {s.kv_cache_manager.prefix_cache_hits} tokens")
 
 
-def test_a_burst_decodes_almost_every_step_ahead():
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_a_burst_decodes_almost_every_step_ahead(num_drafts):
     """All requests at once and seats for all (the served benchmark's shape): once the prompts are
-    in, each step's successor is sent while it runs."""
+    in, each step's successor is sent while it runs, with draft tokens too (one whose drafts in
+    flight may end it decodes on; the worker skips it if they did)."""
     config = dict(num_blocks=600, block_size=16, max_model_len=256, max_num_batched_tokens=512, max_num_seqs=64)
-    sync, sync_finish, _, _, _ = simulate(64, 3, pipelined=False, burst=True, **config)
-    got, finish, steps, ahead, _ = simulate(64, 3, pipelined=True, burst=True, **config)
-    assert got == sync and finish == sync_finish
-    assert ahead >= steps * 0.6, (ahead, steps)
+    model = looping_model if num_drafts else None  # drafts mostly right, some ending their request
+    sync, sync_finish, sync_steps, _, _ = simulate(64, 3, pipelined=False, burst=True, num_drafts=num_drafts,
+                                                   model=model, **config)
+    workers: list = []
+    got, finish, steps, ahead, _ = simulate(64, 3, pipelined=True, burst=True, num_drafts=num_drafts,
+                                            workers=workers, model=model, **config)
+    assert got == sync and finish == sync_finish and steps == sync_steps
+    assert ahead >= steps * 0.8, (ahead, steps)
+    assert (workers[0].num_skipped > 0) == (num_drafts > 0)
 
 
 @pytest.mark.parametrize("config", [
