@@ -46,8 +46,8 @@ class SchedulerConfig(ServerConfig, MetricsConfig, SchedulingConfig, RedisConfig
         True, help="while a decoding batch's step runs, plan and send its next one late in it (vLLM's async "
                    "scheduling; steps with n-gram drafts too: the worker verifies its own in the next): the worker "
                    "does not wait for the round trip through this scheduler; a request that stops on a stop token "
-                   "computes a token (and its drafts) that are dropped, one arriving in a step's last fifth (its "
-                   "last 10 ms at least) waits one step more")
+                   "computes a token (and its drafts) that are dropped, one arriving in a step's last fifth waits "
+                   "one step more")
     discovery_interval_s: float = setting(
         2.0, above=0, help="registry scan / reconnect period (at most 0.25 s while no worker is driven)")
     poll_block_ms: int = setting(1000, minimum=1, help="longest blocking Redis read (bounds shutdown latency)")

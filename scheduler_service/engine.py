@@ -50,12 +50,11 @@ log = logging.getLogger(__name__)
 PUBLISH_RETRY_MAX_S = 2.0  # longest wait between retries of a publish while Redis is away
 # Asynchronous scheduling plans the next step when this much of the step in flight is left (its
 # expected time: the recent steps'), so the plan reaches the worker before the step ends, and a
-# request arriving earlier in the step is admitted without waiting for one more step. The floor
-# covers short steps: a batch of a few requests decodes in 15-30 ms on two CPU cores, varying by
-# several ms from step to step, and the timer fires late by as much where the worker's threads
-# hold every core; a plan made after the answer arrives is a lockstep round trip (~3 ms there).
+# request arriving earlier in the step is admitted without waiting for one more step. A larger
+# floor (10 ms) saved lockstep steps in a burst's tail of short steps but, at 4 requests/s (steps
+# of ~15 ms), made new requests wait a step more: median TTFT 137-143 -> 154-155 ms.
 PLAN_AHEAD_FRACTION = 0.2
-PLAN_AHEAD_MIN_S = 0.010
+PLAN_AHEAD_MIN_S = 0.005
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -301,7 +300,7 @@ class WorkerEngine:
 
     def _plan_delay(self, in_flight: SchedulerOutput) -> float | None:
         """Seconds to wait before planning the step after ``in_flight``: until a fifth of its
-        expected time (at least PLAN_AHEAD_MIN_S) is left. A decode step is
+        expected time (at least 5 ms, for the plan to reach the worker) is left. A decode step is
         expected to take what recent decode steps took; a step with prefill chunks its tokens times
         the recent time per token of such steps (its length varies with them: planned as early as a
         decode step, the plan would miss the requests arriving during a long prefill). None: no
