@@ -57,6 +57,42 @@ PLAN_AHEAD_FRACTION = 0.2
 PLAN_AHEAD_MIN_S = 0.005
 
 
+class StepTimeFit:
+    """A decode step's time against the tokens it computes (its rows and their drafts): least
+    squares over the recent steps, each step weighing ``DECAY`` as much as the one after it. A
+    batch's steps vary with its drafts and shrink as requests finish; the average of recent steps
+    lags both, and a plan made for a step that ends sooner than expected misses it."""
+
+    DECAY = 0.8
+    MIN_STEPS = 4.0  # the weight of the steps seen before a fit is used
+
+    def __init__(self) -> None:
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self._n = d * self._n + 1.0
+        self._x = d * self._x + tokens
+        self._y = d * self._y + seconds
+        self._xx = d * self._xx + tokens * tokens
+        self._xy = d * self._xy + tokens * seconds
+
+    def predict(self, tokens: int) -> float | None:
+        """Seconds for a step of ``tokens``; None until the recent steps' token counts differ
+        enough to fit a slope (or the slope is not positive)."""
+        n = self._n
+        if n < self.MIN_STEPS:
+            return None
+        mean_x, mean_y = self._x / n, self._y / n
+        var = self._xx / n - mean_x * mean_x
+        if var < 1.0:  # (nearly) the same count every step: no slope to fit
+            return None
+        slope = (self._xy / n - mean_x * mean_y) / var
+        if slope <= 0.0:
+            return None
+        return mean_y + slope * (tokens - mean_x)
+
+
 def _retrieve(task: asyncio.Task) -> None:
     """Take the outcome of a task nobody awaits any more, so asyncio does not report it."""
     if not task.cancelled():
@@ -118,6 +154,7 @@ class WorkerEngine:
         # Recent steps' time on the worker (moving averages), for _plan_delay: of decode steps (one
         # token per request), and per token of steps with prefill chunks (0.0: none seen yet).
         self._decode_step_s = 0.0
+        self._decode_fit = StepTimeFit()
         self._prefill_token_s = 0.0
         self._head_started = 0.0  # when the worker could start the oldest step in flight
         self.num_routed = 0  # requests routed here
@@ -295,18 +332,23 @@ class WorkerEngine:
 
         if self._is_decode_step(step):
             self._decode_step_s = averaged(self._decode_step_s, took)
+            self._decode_fit.add(self.core.num_tokens_computed(step), took)
         elif step.total_num_scheduled_tokens:
             self._prefill_token_s = averaged(self._prefill_token_s, took / step.total_num_scheduled_tokens)
 
     def _plan_delay(self, in_flight: SchedulerOutput) -> float | None:
         """Seconds to wait before planning the step after ``in_flight``: until a fifth of its
         expected time (at least 5 ms, for the plan to reach the worker) is left. A decode step is
-        expected to take what recent decode steps took; a step with prefill chunks its tokens times
+        expected to take what recent decode steps took, fitted to the tokens it computes (its rows
+        and their drafts: ``StepTimeFit``); a step with prefill chunks its tokens times
         the recent time per token of such steps (its length varies with them: planned as early as a
         decode step, the plan would miss the requests arriving during a long prefill). None: no
         estimate yet, do not plan ahead."""
         if self._is_decode_step(in_flight):
             expected = self._decode_step_s
+            fitted = self._decode_fit.predict(self.core.num_tokens_computed(in_flight))
+            if fitted is not None:  # within half and one and a half of the recent average
+                expected = min(max(fitted, 0.5 * expected), 1.5 * expected)
         else:
             expected = max(self._decode_step_s, in_flight.total_num_scheduled_tokens * self._prefill_token_s) \
                 if self._prefill_token_s else 0.0

@@ -381,6 +381,20 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
+    def num_tokens_computed(self, step: SchedulerOutput) -> int:
+        """Tokens the worker computes in ``step``: those it schedules and, in a continuation, each
+        request's own drafts (proposed with the answer before it, up to ``num_own_drafts``). Exact
+        between the ``update_from_output`` of the step before ``step`` and ``step``'s own; a
+        measure of the step's cost (the engine's timing of plans ahead), nothing else."""
+        total = step.total_num_scheduled_tokens
+        if step.continuation and step.num_own_drafts:
+            own, drafted = step.num_own_drafts, self._drafted
+            for rid in step.num_scheduled_tokens:
+                request = drafted.get(rid)
+                if request is not None:
+                    total += min(len(request.spec_token_ids), own)
+        return total
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply one step's results: advance ``num_computed_tokens`` by the scheduled counts, append

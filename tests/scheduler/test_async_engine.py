@@ -13,7 +13,7 @@ from servicekit.contract.scheduling import SchedulingConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from servicekit.contract.sampling_params import SamplingParams
-from scheduler_service.engine import WorkerEngine
+from scheduler_service.engine import StepTimeFit, WorkerEngine
 from .test_engine_loop import INFO, ScriptedWorker, make_request
 from .test_stream_interval import LosableWorker, RecordingQueue
 
@@ -139,3 +139,17 @@ async def test_a_request_arriving_during_a_long_prefill_step_is_admitted_right_a
     admitted = next(i for i, so in enumerate(worker.started)
                     if any(r.request_id == "late" for r in so.scheduled_new_reqs))
     assert admitted == prefill_index + 1
+
+
+def test_a_decode_step_is_expected_from_the_tokens_it_computes():
+    # recent steps: 10 ms plus 1 ms a token; a step of 20 tokens after steps of 40-60 is expected
+    # to take ~30 ms, where their average (~60 ms) would plan it too late
+    fit = StepTimeFit()
+    assert fit.predict(20) is None
+    for tokens in (60, 50, 55, 45, 40, 52, 48, 44):
+        fit.add(tokens, 0.010 + 0.001 * tokens)
+    assert fit.predict(20) == pytest.approx(0.030)
+    same = StepTimeFit()
+    for _ in range(8):
+        same.add(64, 0.1)
+    assert same.predict(32) is None  # one token count only: no slope, the average is used

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections import deque
+from dataclasses import replace
 
 import pytest
 
@@ -112,6 +113,19 @@ def test_one_whose_drafts_in_flight_ended_it_is_dropped_from_the_plan_made_befor
     assert [o.request_id for o in s.update_from_output(second, worker_answer)] == [b.request_id]
     third = s.schedule()
     assert a.request_id in third.finished_req_ids and a.request_id not in third.num_scheduled_tokens
+
+
+def test_a_continuation_counts_the_drafts_its_worker_will_compute():
+    # a's last answer brought a proposal of 3 drafts: the continuation computes a's token and up to
+    # num_own_drafts of them; b has none
+    s, a, b, first, second = two_in_flight(a_max_tokens=20, b_max_tokens=20)
+    assert s.num_tokens_computed(first) == first.total_num_scheduled_tokens == 2
+    s.update_from_output(first, ModelRunnerOutput(sampled_token_ids={a.request_id: [7], b.request_id: [7]},
+                                                  spec_token_ids={a.request_id: [5, 6, 7]}))
+    assert second.continuation and second.num_own_drafts == 0
+    assert s.num_tokens_computed(second) == 2  # drafts not allowed in this plan
+    assert s.num_tokens_computed(replace(second, num_own_drafts=2)) == 2 + 2
+    assert s.num_tokens_computed(replace(second, num_own_drafts=4)) == 2 + 3
 
 
 def test_no_plan_while_the_results_decide_it():
