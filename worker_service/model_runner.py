@@ -252,12 +252,13 @@ class ModelRunner:
             raise ValueError("a continuation schedules one token for each request it holds, and nothing else")
         rows = np.fromiter((batch.row_of(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
         batch.num_computed_tokens[rows] = batch.num_tokens[rows] - 1
+        row_list = rows.tolist()
         num_outputs = (batch.num_tokens[rows] - batch.num_prompt_tokens[rows]).tolist()
-        ended = {rid for rid, row, n in zip(req_ids, rows.tolist(), num_outputs)
+        ended = {rid for rid, row, n in zip(req_ids, row_list, num_outputs)
                  if n >= batch.sampling_params[row].max_tokens}
         spec: dict[str, list[int]] = {}
         if so.num_own_drafts:
-            for rid, row in zip(req_ids, rows.tolist()):
+            for rid, row in zip(req_ids, row_list):
                 proposal = self._own_drafts.get(rid)
                 if proposal is not None and proposal[0] == batch.num_tokens[row] and rid not in ended:
                     spec[rid] = proposal[1][:so.num_own_drafts]
