@@ -287,11 +287,14 @@ class WorkerEngine:
         self._head_started = time.perf_counter()
         while scheduler_output is not None:
             following = None
-            # a decode step's tokens (None: it has prefill chunks), counted once the step before
-            # it is applied, as num_tokens_computed needs
-            decode_tokens = core.num_tokens_computed(scheduler_output) if self._is_decode_step(scheduler_output) \
-                else None
-            if self._async_scheduling:
+            if not self._async_scheduling:
+                runner_output = await client.receive()
+            else:
+                # a decode step's tokens (None: it has prefill chunks), for the step-time estimates
+                # (which only plans ahead use), counted once the step before it is applied, as
+                # num_tokens_computed needs
+                decode_tokens = core.num_tokens_computed(scheduler_output) \
+                    if self._is_decode_step(scheduler_output) else None
                 answer = asyncio.ensure_future(client.receive())
                 try:
                     delay = self._plan_delay(scheduler_output, decode_tokens)
@@ -308,12 +311,10 @@ class WorkerEngine:
                     if not answer.done():  # this task fails or is cancelled: the call is going away
                         answer.cancel()
                         answer.add_done_callback(_retrieve)
-            else:
-                runner_output = await client.receive()
-            now = time.perf_counter()
-            took = now - self._head_started  # the step's time since the worker could start it
-            self._observe_step(scheduler_output, took, decode_tokens)
-            self._head_started = now  # the step sent ahead (if any) starts now
+                now = time.perf_counter()
+                # the step's time since the worker could start it
+                self._observe_step(scheduler_output, now - self._head_started, decode_tokens)
+                self._head_started = now  # the step sent ahead (if any) starts now
             self.num_steps += 1
             outputs = core.update_from_output(scheduler_output, runner_output)
             if self._metrics is not None and core.tenant_usage:
