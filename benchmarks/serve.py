@@ -283,6 +283,25 @@ class CpuAccount:
         return cpu, waits
 
 
+def ratio_summary(rounds: list[tuple[dict, dict]]) -> dict[str, float | list[float] | None]:
+    """Stack over in-process output-token throughput, from paired rounds ``(stack summary,
+    in-process summary)`` (``summarize``'s dicts: ``total_output_tokens``, ``duration_s``): the
+    per-round ratios, their median, their mean with its standard error (None for one round), and
+    the pooled ratio (all rounds' tokens over all their time, each side). Single rounds on a shared
+    2-core host swing by several percent: the mean's error says how far a run can be trusted."""
+    if not rounds:
+        raise ValueError("ratio_summary: no rounds")
+
+    def rate(summaries) -> float:
+        return sum(s["total_output_tokens"] for s in summaries) / max(sum(s["duration_s"] for s in summaries), 1e-9)
+
+    ratios = [rate([stack]) / max(rate([in_process]), 1e-9) for stack, in_process in rounds]
+    stderr = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
+    return {"rounds": ratios, "median": statistics.median(ratios), "mean": statistics.fmean(ratios),
+            "stderr": stderr,
+            "pooled": rate([s for s, _ in rounds]) / max(rate([t for _, t in rounds]), 1e-9)}
+
+
 def report(summary: dict) -> str:
     lines = [f"== {summary['name']} ==",
              f"completed {summary['completed']}  failed {summary['failed']}  in {summary['duration_s']:.2f}s",
@@ -375,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--worker-arg=--simulate-step-latency=0.005,0 (no model: the services' own cost)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the runs this many times, alternating stack and --llm on fresh prompts "
-                             "(the machine's speed drifts between runs: the median pair compares fairly)")
+                             "(the machine's speed drifts between runs: each pair compares fairly; the ratio's median, "
+                             "mean with its standard error, and pooled ratio are printed and saved)")
     parser.add_argument("--num-layers", type=int, default=0,
                         help="with --start-stack: serve (and load in process) only the model's first N decoder layers, "
                              "for a fast CPU's step time on a slow one (0: the whole model)")
@@ -421,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = make_requests(args.num_requests, args.input_len, args.output_len, args.range_ratio, vocab_size,
                              args.seed)
     summaries = []
-    pairs: list[float] = []  # stack / in-process output-token throughput, per round
+    pairs: list[tuple[dict, dict]] = []  # (stack, in-process) summaries of each round
     stack = None
     if args.http_url:
         args.backend = "openai"
@@ -498,12 +518,14 @@ def main(argv: list[str] | None = None) -> int:
                 summaries.append(summarize("LLM (in-process)" + label, llm_results, llm_duration))
                 summaries[-1]["cpu_seconds"], summaries[-1]["cpu_wait_seconds"] = cpu.take()
                 print(report(summaries[-1]))
-                ratio = served["output_token_throughput"] / max(summaries[-1]["output_token_throughput"], 1e-9)
-                pairs.append(ratio)
+                pairs.append((served, summaries[-1]))
+                ratio = ratio_summary(pairs[-1:])["rounds"][0]
                 print(f"stack / in-process output-token throughput{label}: {ratio:.1%} (goal >= 95%)", flush=True)
         if len(pairs) > 1:
-            print(f"stack / in-process over {len(pairs)} rounds: " + ", ".join(f"{r:.1%}" for r in pairs)
-                  + f"; median {statistics.median(pairs):.1%} (goal >= 95%)")
+            over = ratio_summary(pairs)
+            print(f"stack / in-process over {len(pairs)} rounds: " + ", ".join(f"{r:.1%}" for r in over["rounds"])
+                  + f"; median {over['median']:.1%}, mean {over['mean']:.1%} (standard error {over['stderr']:.1%}), "
+                  f"pooled {over['pooled']:.1%} (goal >= 95%)")
         print(f"load average after: {os.getloadavg()}", flush=True)
     finally:
         if stack is not None:
@@ -512,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"serve-{Path(args.model).name}-n{args.num_requests}-r{args.request_rate}{'-' + args.tag if args.tag else ''}"
     payload = {"config": vars(args), "results": summaries}
     if pairs:
-        payload["stack_over_in_process"] = {"rounds": pairs, "median": statistics.median(pairs)}
+        payload["stack_over_in_process"] = ratio_summary(pairs)
     (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str))
     plot(results, args.out / f"{stem}.png")
     print(f"wrote {args.out / (stem + '.json')}")
