@@ -285,21 +285,23 @@ class CpuAccount:
 
 def ratio_summary(rounds: list[tuple[dict, dict]]) -> dict[str, float | list[float] | None]:
     """Stack over in-process output-token throughput, from paired rounds ``(stack summary,
-    in-process summary)`` (``summarize``'s dicts: ``total_output_tokens``, ``duration_s``): the
-    per-round ratios, their median, their mean with its standard error (None for one round), and
-    the pooled ratio (all rounds' tokens over all their time, each side). Single rounds on a shared
-    2-core host swing by several percent: the mean's error says how far a run can be trusted."""
+    in-process summary)`` (``summarize``'s dicts): the per-round ratios of their
+    ``output_token_throughput``, the ratios' median, their mean with its standard error (None for
+    one round), and the pooled ratio (all rounds' tokens over all their time, each side). Single
+    rounds on a shared 2-core host swing by several percent: the mean's error says how far a run
+    can be trusted."""
     if not rounds:
         raise ValueError("ratio_summary: no rounds")
 
-    def rate(summaries) -> float:
-        return sum(s["total_output_tokens"] for s in summaries) / max(sum(s["duration_s"] for s in summaries), 1e-9)
+    def pooled(side: int) -> float:
+        tokens = sum(pair[side]["total_output_tokens"] for pair in rounds)
+        return tokens / max(sum(pair[side]["duration_s"] for pair in rounds), 1e-9)
 
-    ratios = [rate([stack]) / max(rate([in_process]), 1e-9) for stack, in_process in rounds]
+    ratios = [stack["output_token_throughput"] / max(in_process["output_token_throughput"], 1e-9)
+              for stack, in_process in rounds]
     stderr = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None
     return {"rounds": ratios, "median": statistics.median(ratios), "mean": statistics.fmean(ratios),
-            "stderr": stderr,
-            "pooled": rate([s for s, _ in rounds]) / max(rate([t for _, t in rounds]), 1e-9)}
+            "stderr": stderr, "pooled": pooled(0) / max(pooled(1), 1e-9)}
 
 
 def report(summary: dict) -> str:
